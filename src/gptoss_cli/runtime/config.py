@@ -115,7 +115,7 @@ class ModelConfig:
         if rope.get("rope_type", rope.get("type", "yarn")) != "yarn":
             raise ValueError(f"rope type {rope.get('rope_type')!r} is not yarn")
         rope_fields = {k: rope[k] for k in RopeScaling.__dataclass_fields__ if k in rope}
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("rope_scaling",)}
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("rope_scaling", "rope_theta")}
         if "num_local_experts" not in known and "num_experts" in d:
             known["num_local_experts"] = d["num_experts"]
         if "num_experts_per_tok" not in known and "experts_per_token" in d:

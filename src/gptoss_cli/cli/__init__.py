@@ -1,0 +1,78 @@
+"""The `gptoss` command line: download, chat, run, bench.
+
+`main()` runs the Typer app and turns every failure into one line plus a documented exit code
+(see errors.py). Command modules are imported here so they register on the app.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from . import errors
+from .app import app
+from .console import make_ui
+
+# Command modules register themselves on `app` when imported.
+from . import download as _download  # noqa: E402,F401
+from . import run as _run  # noqa: E402,F401
+from . import chat as _chat  # noqa: E402,F401
+from . import bench as _bench  # noqa: E402,F401
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("GPTOSS_DEBUG", "") not in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point; returns (and exits with) the process exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    code = _invoke(args)
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+def _invoke(args: list[str]) -> int:
+    from ..runtime.errors import GptossError
+
+    command = typer_command()
+    try:
+        result = command.main(args=args, prog_name="gptoss", standalone_mode=False)
+        return result if isinstance(result, int) else errors.OK
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        return errors.INTERRUPTED
+    except click.ClickException as e:
+        e.show()
+        return errors.USAGE
+    except errors.UsageError as e:
+        make_ui().error(str(e), e.hint)
+        return errors.USAGE
+    except GptossError as e:
+        _report(args, str(e), e.hint)
+        return e.exit_code
+    except KeyboardInterrupt:
+        make_ui().err.print("[dim]interrupted[/]")
+        return errors.INTERRUPTED
+    except BrokenPipeError:
+        return errors.OK
+    except Exception as e:  # noqa: BLE001 - the last line of defence for the user
+        _report(args, f"internal error: {type(e).__name__}: {e}", "run again with --debug and report the traceback")
+        return errors.ERROR
+
+
+def _report(args: list[str], message: str, hint: str) -> None:
+    if _debug_requested(args):
+        traceback.print_exc()
+    make_ui().error(message, hint)
+
+
+def typer_command():
+    import typer.main
+
+    return typer.main.get_command(app)

@@ -1,0 +1,43 @@
+"""The Typer application and its global options; commands register themselves on `app`.
+
+Nothing heavy is imported here: torch and the runtime load inside command bodies, so
+`gptoss --help` is instant and works without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from .console import COLOR_CHOICES, make_ui
+
+app = typer.Typer(
+    name="gptoss",
+    help="Run OpenAI's gpt-oss-20b and gpt-oss-120b on one GPU (or the CPU): download, chat, run, bench.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"gptoss {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    color: Annotated[str, typer.Option(help="Colour output: auto, always or never.", envvar="GPTOSS_COLOR")] = "auto",
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Global options."""
+    if color not in COLOR_CHOICES:
+        raise typer.BadParameter(f"must be one of {', '.join(COLOR_CHOICES)}", param_hint="--color")
+    ctx.obj = make_ui(color, debug)

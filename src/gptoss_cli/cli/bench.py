@@ -1,0 +1,1 @@
+"""`gptoss bench` (being written)."""

@@ -1,0 +1,1 @@
+"""`gptoss chat` (being written)."""

@@ -1,0 +1,1 @@
+"""`gptoss download` (being written)."""

@@ -1,0 +1,36 @@
+"""Option declarations shared by chat, run and bench (declared once, with help text).
+
+Sampling defaults follow OpenAI's recommendation for gpt-oss: temperature 1.0, top-p 1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", envvar="GPTOSS_MODEL", show_envvar=True,
+    help="20b, 120b, a checkpoint directory, or random:tiny|random:20b|random:120b (random weights, no download).")]
+EffortOpt = Annotated[str, typer.Option(
+    "--effort", envvar="GPTOSS_EFFORT", help="Reasoning effort: low, medium or high.")]
+TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.", min=0.0)]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].", min=0.0, max=1.0)]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the K most likely tokens; 0 = off.", min=0)]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability.",
+                                        min=0.0, max=1.0)]
+SeedOpt = Annotated[int | None, typer.Option(help="Random seed (per request); unset = random.", min=0)]
+MaxTokensOpt = Annotated[int | None, typer.Option(
+    "--max-tokens", "-n", help="Most tokens to generate, reasoning included; unset = up to the context.", min=1)]
+ContextOpt = Annotated[int | None, typer.Option(
+    "--context", "-c", help="Context length in tokens (prompt + output); default: the model's 131072.", min=16)]
+
+EFFORTS = ("low", "medium", "high")
+DEFAULT_EFFORT = "medium"
+
+
+def check_effort(effort: str) -> str:
+    """Validate --effort / GPTOSS_EFFORT (typer cannot express a choice with an env default)."""
+    if effort not in EFFORTS:
+        raise typer.BadParameter(f"{effort!r} is not one of {', '.join(EFFORTS)}", param_hint="--effort")
+    return effort

@@ -1,0 +1,1 @@
+"""`gptoss run` (being written)."""
