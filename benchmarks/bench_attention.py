@@ -1,0 +1,158 @@
+"""Benchmark of decode and prefill attention at gpt-oss shapes (H=64, Hkv=8, D=64, bf16 KV).
+
+Usage:  PYTHONPATH=src python benchmarks/bench_attention.py           # H100/H200
+        PYTHONPATH=src python benchmarks/bench_attention.py --smoke   # tiny shapes, Triton interpreter, CPU
+Decode is memory-bound: its bytes are the K/V rows read plus q and out, compared with copy
+bandwidth (4.3 TB/s on H200). Prefill is compute-bound: FLOPs are 4*D per visible (query head,
+key) pair, compared with the measured dense bf16 rate (786 TFLOP/s). Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+COPY_TBPS = 4.3
+BF16_TFLOPS = 786.0
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, WINDOW = 64, 8, 64, 64, 128
+SM_SCALE = HEAD_DIM ** -0.5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Workload grid: the real one for the GPU, a tiny one for the interpreter smoke run."""
+
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    sliding_context: int
+    prefill_tokens: tuple[int, ...]
+
+
+GPU_SIZES = Sizes((1, 64), (1024, 4096, 32768, 131072), 32768, (4096, 16384))
+SMOKE_SIZES = Sizes((1, 2), (100,), 300, (48,))
+
+
+def _timer(device: str):
+    """Median milliseconds of fn() via do_bench on the GPU; one wall-clock run in the interpreter."""
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, return_mode="median")
+
+    def wall(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall
+
+
+def _paged_cache(num_seqs: int, blocks_per_seq: int, device: str):
+    """Random bf16 K/V caches whose blocks are shuffled among sequences, as paging leaves them."""
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
+    v_cache = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
+    table = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
+    return k_cache, v_cache, table
+
+
+def _row(op: str, layer: str, batch: int, tokens: int, ms: float, nbytes: float, flops: float) -> dict:
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    tflops = flops / (ms * 1e-3) / 1e12
+    return dict(op=op, layer=layer, batch=batch, tokens=tokens, ms=ms, gbytes=nbytes / 1e9, tbps=tbps,
+                pct_copy=100 * tbps / COPY_TBPS, tflop=flops / 1e12, tflops=tflops,
+                pct_bf16=100 * tflops / BF16_TFLOPS)
+
+
+def _decode_case(batch: int, context: int, window: int, device: str, timer) -> dict:
+    from gptoss_cli.kernels.decode_attention import decode_attention
+
+    ring = -(-window // BLOCK_SIZE) + 1 if window else 0
+    blocks_per_seq = ring or -(-context // BLOCK_SIZE)
+    k_cache, v_cache, table = _paged_cache(batch, blocks_per_seq, device)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    sinks = torch.randn(NUM_HEADS, dtype=torch.bfloat16, device=device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    ms = timer(lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, sinks, SM_SCALE, window, ring, out=out))
+    keys = min(context, window) if window else context
+    kv_bytes = batch * keys * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+    flops = 4 * HEAD_DIM * NUM_HEADS * batch * keys
+    return _row("decode", "sliding" if window else "full", batch, context, ms, kv_bytes + 2 * q.numel() * 2, flops)
+
+
+def _visible_pairs(tokens: int, window: int) -> int:
+    if not window:
+        return tokens * (tokens + 1) // 2
+    w = min(window, tokens)
+    return w * (w + 1) // 2 + (tokens - w) * window
+
+
+def _prefill_case(tokens: int, window: int, device: str, timer) -> dict:
+    from gptoss_cli.kernels.attention import prefill_attention
+
+    ring = -(-window // BLOCK_SIZE) + 1 if window else 0
+    k_cache, v_cache, table = _paged_cache(1, ring or -(-tokens // BLOCK_SIZE), device)
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    sinks = torch.randn(NUM_HEADS, dtype=torch.bfloat16, device=device)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    ctx = torch.zeros(1, dtype=torch.int32, device=device)
+    ms = timer(lambda: prefill_attention(q, k, v, k_cache, v_cache, table, cu, ctx, sinks, SM_SCALE, window, ring,
+                                         tokens, 0))
+    nbytes = (2 * q.numel() + 2 * k.numel()) * 2
+    flops = 4 * HEAD_DIM * NUM_HEADS * _visible_pairs(tokens, window)
+    return _row("prefill", "sliding" if window else "full", 1, tokens, ms, nbytes, flops)
+
+
+def bench(device: str = "cuda", sizes: Sizes | None = None) -> list[dict]:
+    """Time every case; on "cpu" (needs TRITON_INTERPRET=1 set before import) the tiny smoke grid."""
+    sizes = sizes or (GPU_SIZES if device == "cuda" else SMOKE_SIZES)
+    timer = _timer(device)
+    rows = []
+    for batch in sizes.decode_batches:
+        for context in sizes.decode_contexts:
+            rows.append(_decode_case(batch, context, 0, device, timer))
+        rows.append(_decode_case(batch, sizes.sliding_context, WINDOW, device, timer))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for tokens in sizes.prefill_tokens:
+        for window in (0, WINDOW):
+            rows.append(_prefill_case(tokens, window, device, timer))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'op':8}{'layer':9}{'B':>4}{'ctx/T':>8}{'ms':>10}{'GB':>9}{'TB/s':>7}{'%copy':>7}"
+            f"{'TFLOP':>8}{'TF/s':>8}{'%bf16':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['op']:8}{r['layer']:9}{r['batch']:>4}{r['tokens']:>8}{r['ms']:>10.4f}"
+                     f"{r['gbytes']:>9.4f}{r['tbps']:>7.2f}{r['pct_copy']:>7.1f}{r['tflop']:>8.3f}"
+                     f"{r['tflops']:>8.1f}{r['pct_bf16']:>7.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU under the Triton interpreter")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke for the interpreter check")
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda":
+        print(f"{torch.cuda.get_device_name()}  H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} BS={BLOCK_SIZE} bf16")
+    print(format_table(bench(device)))
+
+
+if __name__ == "__main__":
+    main()

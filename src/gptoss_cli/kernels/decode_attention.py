@@ -1,0 +1,195 @@
+"""Decode attention: one new query per sequence against its paged/ring KV cache (flash-decoding).
+
+Semantics are `attention_ref` (attention.py) with q at position seq_lens[b] - 1 and keys at
+positions [0, seq_lens[b]) (the last one already appended), or only the last `window` of them.
+One program owns one (sequence, KV head, split): the G = H / Hkv query heads of that KV head form
+the rows of its tl.dot tile, padded to 16 rows (the smallest tensor-core M), so each K/V byte is
+read once. With several splits the key range is cut into `num_splits` equal chunks; each writes an
+unnormalised partial (acc, running max m, sum l) and a small reduce kernel folds them with the sink:
+    out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M))   (base-2 logits)
+num_splits is a host-side static choice (CUDA graphs), never derived from device data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import (LOG2E, LOG2E_C, check_int32, check_sinks_scale, dot_dtype, is_interpreted,
+                        softmax_step)
+from .kv_store import cache_geometry, load_kv_tile
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape of the split kernel: keys per tile, warps and pipeline depth."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles() -> DecodeTiles:
+    """Host heuristic; the interpreter gets a small tile, the GPU a pipelined 64-key tile."""
+    if is_interpreted():
+        return DecodeTiles(block_n=32, num_warps=4, num_stages=1)
+    return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int,
+                      min_keys_per_split: int = 512) -> int:
+    """Splits so that about 4 programs per SM exist, but each split still streams >= min_keys."""
+    want = triton.cdiv(4 * num_sms, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(want, triton.cdiv(max_keys, min_keys_per_split), 128))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, window, ring_blocks, num_heads,
+    stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Chunks follow this row's real length, so short rows leave trailing splits empty; an empty
+    # split still writes a neutral partial (m = sink, l = 0, acc = 0).
+    chunk = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
+    sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C
+    m = sink
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    bt_row = bt_ptr + seq * stride_btb
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < hi
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, valid, kv_head, ring_blocks,
+                            stride_cb, stride_co, stride_ch, BLOCK_SIZE, HEAD_DIM)
+        m, l, acc = softmax_step(q, k, v, m, l, acc, valid[None, :], qk_scale, True, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        out = acc / (l + tl.exp2(sink - m))[:, None]
+        tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        # partials: o [B, H, S, D], (m, l) [B, H, S, 2], all fp32
+        row = (seq * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m, mask=g_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l, mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_heads, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    row0 = (seq * num_heads + head) * NUM_SPLITS
+    # Every partial max is >= the sink (splits start from it), so M needs no separate sink term.
+    big_m = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C
+    sink = big_m
+    for s in range(NUM_SPLITS):
+        big_m = tl.maximum(big_m, tl.load(part_ml_ptr + (row0 + s) * 2, mask=g_ok, other=0.0))
+    den = tl.exp2(sink - big_m)
+    num = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_ml_ptr + (row0 + s) * 2, mask=g_ok, other=0.0) - big_m)
+        den += w * tl.load(part_ml_ptr + (row0 + s) * 2 + 1, mask=g_ok, other=0.0)
+        o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        num += w[:, None] * o
+    tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+             (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+def _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim) -> None:
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [B, H, {head_dim}] with H a multiple of {num_kv_heads}, got {tuple(q.shape)}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head dim must be a power of two >= 16, got {head_dim}")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in the head dimension")
+    check_int32(block_table=block_table, seq_lens=seq_lens)
+    num_seqs = q.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"need block_table [{num_seqs}, MAXB] and seq_lens [{num_seqs}], got "
+                         f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} and contiguous in the head dimension")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+
+
+def _static_num_splits(q: torch.Tensor, num_kv_heads: int, block_size: int, max_blocks: int, window: int) -> int:
+    """Pick splits from shapes only: the longest context the block table can describe (or the window)."""
+    max_keys = window if window > 0 else max_blocks * block_size
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    return choose_num_splits(q.shape[0], num_kv_heads, max_keys, num_sms)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int, ring_blocks: int,
+    num_splits: int | None = None, out: torch.Tensor | None = None, tiles: DecodeTiles | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] at position seq_lens[b] - 1 against cached keys -> [B, H, D] (written into `out`).
+
+    window = 0: all seq_lens[b] keys; window > 0: positions > seq_lens[b] - 1 - window.
+    ring_blocks = R > 0: block_table[b, j % R] holds logical block j. Rows with seq_lens[b] == 0
+    read nothing and produce zeros. No host synchronisation; shapes alone decide the launch.
+    """
+    block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache)
+    _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim)
+    num_seqs, num_heads, _ = q.shape
+    check_sinks_scale(sinks, num_heads, sm_scale, window, ring_blocks, block_size, block_table.shape[1])
+    if num_splits is None:
+        num_splits = _static_num_splits(q, num_kv_heads, block_size, block_table.shape[1], window)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if num_seqs == 0:
+        return out
+    tiles = tiles or decode_tiles()
+    group = num_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))
+    part_o = part_ml = out  # placeholders, unused when num_splits == 1
+    if num_splits > 1:
+        part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, sinks, out, part_o, part_ml,
+        sm_scale * LOG2E, window, ring_blocks, num_heads,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
+        NUM_SPLITS=num_splits, DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+            part_o, part_ml, sinks, out, num_heads, out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+        )
+    return out
