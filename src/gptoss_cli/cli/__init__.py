@@ -10,8 +10,6 @@ import os
 import sys
 import traceback
 
-import click
-
 from . import errors
 from .app import app
 from .console import make_ui
@@ -36,18 +34,34 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _click_exceptions():
+    """(Exit, Abort, ClickException) classes from every click the app may raise them from: newer
+    typer vendors click (typer._click, typer.exceptions), older typer uses the click package."""
+    import importlib
+
+    modules = []
+    for name in ("typer._click.exceptions", "typer.exceptions", "click.exceptions"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return tuple(tuple({getattr(m, cls) for m in modules if hasattr(m, cls)})
+                 for cls in ("Exit", "Abort", "ClickException"))
+
+
 def _invoke(args: list[str]) -> int:
     from ..runtime.errors import GptossError
 
+    exit_types, abort_types, click_errors = _click_exceptions()
     command = typer_command()
     try:
         result = command.main(args=args, prog_name="gptoss", standalone_mode=False)
         return result if isinstance(result, int) else errors.OK
-    except click.exceptions.Exit as e:
+    except exit_types as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except abort_types:
         return errors.INTERRUPTED
-    except click.ClickException as e:
+    except click_errors as e:
         e.show()
         return errors.USAGE
     except errors.UsageError as e:
