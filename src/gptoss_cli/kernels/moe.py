@@ -6,13 +6,42 @@ expert e: h = x @ W1_e^T + b1_e (2I values, even = gate, odd = up, interleaved);
           y_e = a @ W2_e^T + b2_e.
 out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias too).
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
+
+moe_forward is the GPU path: router matmul (torch) -> route (moe_routing.py) -> grouped gemm1 +
+SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py). No step reads
+anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+from torch.profiler import record_function
+
+from .moe_matmul import (
+    MoeConfig,
+    MoeWeights,
+    moe_combine,
+    moe_gemm1_swiglu,
+    moe_gemm2,
+    pick_config,
+    prepare_moe_weights,
+)
+from .moe_routing import MoeRouting, route
 from .mxfp4 import dequantize_mxfp4
+
+__all__ = [
+    "MoeConfig",
+    "MoeWeights",
+    "MoeWorkspace",
+    "moe_forward",
+    "moe_ref",
+    "pick_config",
+    "prepare_moe_weights",
+    "route_ref",
+    "swiglu_ref",
+]
 
 
 def route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,3 +87,86 @@ def moe_ref(
         y = a @ w2.T + w2_bias[e].to(dt)
         out.index_add_(0, tok, y.float() * weights[tok, slot, None])
     return out.to(dt)
+
+
+@dataclass
+class MoeWorkspace:
+    """Preallocated intermediates of moe_forward for up to `max_tokens` tokens, so a captured
+    graph allocates nothing but its output. Reuse it only for calls that run one after another."""
+
+    max_tokens: int
+    routing: MoeRouting  # sized for max_tokens with one-row tiles (the most tiles any block_m needs)
+    act: torch.Tensor  # [max_tokens*K, I] activation dtype
+    y: torch.Tensor  # [max_tokens*K, C] fp32
+
+    @classmethod
+    def allocate(
+        cls, max_tokens: int, w: MoeWeights, top_k: int, dtype: torch.dtype, device: torch.device | str
+    ) -> MoeWorkspace:
+        slots = max_tokens * top_k
+        return cls(
+            max_tokens=max_tokens,
+            routing=MoeRouting.allocate(max_tokens, w.num_experts, top_k, 1, device),
+            act=torch.empty((slots, w.intermediate), dtype=dtype, device=device),
+            y=torch.empty((slots, w.hidden), dtype=torch.float32, device=device),
+        )
+
+    def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype):
+        """(routing, act, y) buffers for one call."""
+        if num_tokens > self.max_tokens or top_k != self.routing.top_k or dtype != self.act.dtype:
+            raise ValueError(
+                f"workspace holds {self.max_tokens} tokens, top_k {self.routing.top_k}, {self.act.dtype}; "
+                f"called with {num_tokens} tokens, top_k {top_k}, {dtype}"
+            )
+        slots = num_tokens * top_k
+        return self.routing.narrow(num_tokens, block_m), self.act[:slots], self.y[:slots]
+
+
+def _check_forward_args(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, w: MoeWeights) -> None:
+    if x.dim() != 2 or x.shape[1] != w.hidden:
+        raise ValueError(f"x must be [T, {w.hidden}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if tuple(router_weight.shape) != (w.num_experts, w.hidden) or tuple(router_bias.shape) != (w.num_experts,):
+        raise ValueError(
+            f"router weight/bias must be [{w.num_experts}, {w.hidden}]/[{w.num_experts}], "
+            f"got {tuple(router_weight.shape)}/{tuple(router_bias.shape)}"
+        )
+    if x.device != w.w1_blocks.device:
+        raise ValueError(f"x is on {x.device}, expert weights on {w.w1_blocks.device}")
+
+
+def moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor,
+    w: MoeWeights,
+    top_k: int,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    workspace: MoeWorkspace | None = None,
+    *,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """x [T, C] -> [T, C] in x.dtype; the same function as moe_ref on the prepared weights.
+
+    `config` forces a regime and tile sizes (default: pick_config from T).
+    """
+    _check_forward_args(x, router_weight, router_bias, w)
+    if not 1 <= top_k <= w.num_experts:
+        raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
+    x = x.contiguous()
+    num_tokens, dt = x.shape[0], x.dtype
+    cfg = config or pick_config(num_tokens, w.num_experts, top_k)
+    bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
+    with record_function("moe.router"):
+        # The same expression as moe_ref, so the logits (and hence the chosen experts) match bit for bit.
+        logits = x @ router_weight.to(dt).T + router_bias.to(dt)
+    with record_function("moe.route"):
+        routing = route(logits, top_k, cfg.block_m, out=bufs[0])
+    with record_function("moe.w1+swiglu"):
+        act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
+    with record_function("moe.w2"):
+        y = moe_gemm2(act, routing, w, cfg, out=bufs[2])
+    with record_function("moe.combine"):
+        return moe_combine(y, top_k, dt)

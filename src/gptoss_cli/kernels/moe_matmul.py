@@ -1,0 +1,462 @@
+"""Grouped MXFP4 matmuls of the MoE, straight from the packed expert bytes (gpt-oss-model.md §2.5, §3.1).
+
+For each sorted row r (one token slot, see moe_routing.py) routed to expert e:
+  gemm1:   act[r]      = swiglu(x[token(r)] @ W1_e^T + b1_e)      [S, I] in x.dtype, sorted order
+  gemm2:   y[slot(r)]  = w_slot * (act[r] @ W2_e^T + b2_e)         [S, C] fp32, slot order
+  combine: out[t]      = sum_k y[t*K + k]                          [T, C] in x.dtype
+A program owns one tile of BLOCK_M sorted rows of one expert (from the routing tile table) and
+BLOCK_N output columns, so each packed weight tile is read once per tile, not once per token.
+
+Weight layout (prepare_moe_weights, a one-time re-layout, nothing dequantised):
+  blocks [E, N, K/2] u8: the checkpoint bytes, each row's 16-byte blocks end to end
+                          (byte b holds elements 2b in the low nibble and 2b+1 in the high one);
+  scales [E, K/32, N] u8: transposed so one 32-group's scales for a run of rows are contiguous;
+  biases [E, N] fp32.
+Dequantisation in registers (the portable path): nibble s|e1 e0|m moved to fp16 bits 15 and
+11..9 is exactly FP4_VALUES[nibble] * 2**-14 (e = 0 lands on fp16 subnormals, which GPUs keep),
+and an E8M0 byte shifted into an fp32 exponent is exactly 2**(s - 127); folding the 2**14 into it
+keeps every value exact for 1 <= s <= 240 (s = 0 reads as 0 instead of 2**-127; real checkpoints
+use scales near 2**-6). On the GPU `use_dot_scaled` hands the bytes to tl.dot_scaled instead.
+
+Regimes (pick_config, chosen on the host from T, which is static inside a CUDA graph):
+  decode:  few rows per expert, bandwidth-bound: BLOCK_M 16 (tl.dot's minimum), narrow column
+           blocks so the ~53 MB of a token's 4 experts (real shapes) spread over hundreds of programs;
+  prefill: many rows per expert, tensor-core bound: BLOCK_M grows with rows per expert to 128.
+Dimension legend: T tokens, C hidden, I intermediate, E experts, K experts per token, S = T*K.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_routing import MoeRouting
+from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
+
+# Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
+DECODE_MAX_ROWS_PER_EXPERT = 16
+COMBINE_BLOCK = 256  # columns per combine program
+COMBINE_TOKENS = 16  # tokens per combine program
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters of the grouped matmuls. The defaults of pick_config are first guesses
+    (not yet tuned on the H200); tests force either regime with small blocks."""
+
+    regime: str  # "decode" or "prefill" (reporting only; the numbers below decide)
+    block_m: int  # sorted rows per tile; also the routing tile size
+    block_n1: int  # activation columns per gemm1 program (it reads 2x that many W1 rows)
+    block_n2: int  # output columns per gemm2 program
+    block_k: int  # reduction step, a multiple of 32 (one scale per 32 values)
+    group_m: int = 8  # tiles that sweep the column blocks together (L2 reuse)
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot_scaled: bool = False  # GPU only: tl.dot_scaled on the packed bytes (ignored by the interpreter)
+    fast_math: bool = False  # tl.dot_scaled's fast_math
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
+        if self.block_k < VALUES_PER_BLOCK:
+            raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
+
+
+def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+    """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
+        # 20b at T=1: 4 experts x 2880/32 column blocks = 360 programs per matmul.
+        return MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=128, num_warps=4, num_stages=4)
+    block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
+    return MoeConfig(
+        "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
+        num_warps=8 if block_m >= 64 else 4, num_stages=3,
+    )  # fmt: skip
+
+
+@dataclass
+class MoeWeights:
+    """Expert weights as the kernels read them (layout in the module docstring).
+
+    w1_blocks [E, 2I, C/2] u8, w1_scales [E, C/32, 2I] u8, w1_bias [E, 2I] fp32 (gate/up interleaved rows)
+    w2_blocks [E, C, I/2] u8,  w2_scales [E, I/32, C] u8,  w2_bias [E, C] fp32
+    """
+
+    w1_blocks: torch.Tensor
+    w1_scales: torch.Tensor
+    w1_bias: torch.Tensor
+    w2_blocks: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_bias: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_blocks.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2_blocks.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1_blocks.shape[1] // 2
+
+
+def _packed_layout(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, name: str, shape: tuple):
+    """Checkpoint [E, N, K/32, 16] + [E, N, K/32] + [E, N] -> kernel layout, after checking shapes."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(f"{name} blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
+    e, n, groups = shape
+    if tuple(blocks.shape) != (e, n, groups, BYTES_PER_BLOCK) or tuple(scales.shape) != (e, n, groups):
+        raise ValueError(
+            f"{name}: expected blocks {(e, n, groups, BYTES_PER_BLOCK)} and scales {(e, n, groups)}, "
+            f"got {tuple(blocks.shape)} and {tuple(scales.shape)}"
+        )
+    if tuple(bias.shape) != (e, n):
+        raise ValueError(f"{name} bias: expected {(e, n)}, got {tuple(bias.shape)}")
+    packed = blocks.reshape(e, n, groups * BYTES_PER_BLOCK).contiguous()
+    return packed, scales.transpose(1, 2).contiguous(), bias.float().contiguous()
+
+
+def prepare_moe_weights(
+    w1_blocks: torch.Tensor,
+    w1_scales: torch.Tensor,
+    w1_bias: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor,
+) -> MoeWeights:
+    """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes (a view
+    when contiguous), scales are transposed, biases become fp32."""
+    if w1_blocks.dim() != 4 or w2_blocks.dim() != 4:
+        shapes = f"{tuple(w1_blocks.shape)}, {tuple(w2_blocks.shape)}"
+        raise ValueError(f"expert blocks must be [E, N, K/32, 16], got {shapes}")
+    experts, two_inter, hidden_groups = w1_blocks.shape[:3]
+    hidden, inter = hidden_groups * VALUES_PER_BLOCK, two_inter // 2
+    if two_inter % 2 or inter % VALUES_PER_BLOCK:
+        raise ValueError(f"gate_up rows must be 2*I with I a multiple of {VALUES_PER_BLOCK}, got {two_inter}")
+    devices = {t.device for t in (w1_blocks, w1_scales, w1_bias, w2_blocks, w2_scales, w2_bias)}
+    if len(devices) != 1:
+        raise ValueError(f"expert tensors are on several devices: {sorted(map(str, devices))}")
+    w1 = _packed_layout(w1_blocks, w1_scales, w1_bias, "gate_up", (experts, two_inter, hidden // VALUES_PER_BLOCK))
+    w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK))
+    return MoeWeights(*w1, *w2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The interpreter's bf16/fp16 dots are wrong, so it computes in fp32; the GPU uses the input type."""
+    if _interpreting() or dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full-precision dots (not TF32): fp32 is the exactness reference."""
+    return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
+
+
+def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype) -> str:
+    """tl.dot_scaled's name for the activation type, or "" where the portable path must run."""
+    if not config.use_dot_scaled or _interpreting():
+        return ""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+
+
+@triton.jit
+def _tile_coords(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
+    """Program -> (tile, column block): GROUP_M consecutive tiles sweep the column blocks
+    together so their weight tiles and activation rows are shared through L2."""
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_tiles - first, GROUP_M)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.jit
+def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M: tl.constexpr):
+    """Sorted rows of a tile and which of them belong to its expert."""
+    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+    return rows, rows < tl.load(offsets_ptr + expert + 1)
+
+
+@triton.jit
+def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, G, 16] u8 + [BLOCK_N, G] u8 -> [BLOCK_N, BLOCK_K] fp32, exact (module docstring)."""
+    b = blk.to(tl.uint16)
+    # Straight from the byte to fp16 bits, two shifts and an and-or per value (one LOP3 on the GPU).
+    lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    bits = tl.interleave(lo, hi)  # [BLOCK_N, G, 32], element 2i from the low nibble of byte i
+    mag = bits.to(tl.float16, bitcast=True).to(tl.float32)  # FP4_VALUES[nibble] * 2**-14
+    scale = (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(s-127) * 2**14
+    return tl.reshape(mag * scale[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _mx_dot(
+    acc, a, blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T; A_FORMAT "" = dequantise by hand."""
+    if A_FORMAT == "":
+        w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        packed = tl.reshape(blk, (BLOCK_N, BLOCK_K // 2))  # packed along K, low nibble first
+        acc = tl.dot_scaled(a, None, A_FORMAT, tl.trans(packed), scl, "e2m1", acc, fast_math=FAST_MATH)
+    return acc
+
+
+@triton.jit
+def _swiglu(gate, up, limit, alpha):
+    """Clamped SwiGLU of gpt-oss: upper clamp on the gate, both-sided clamp and +1 on the linear part."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+
+
+@triton.jit
+def _mx_matmul(
+    a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
+
+    a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
+    32-group granularity are exact. Out-of-range rows and columns read as 0.
+    """
+    g = tl.arange(0, BLOCK_K // 32)
+    kk = tl.arange(0, BLOCK_K)
+    # Pointers are built once and advanced: the loop body does no per-element index math.
+    blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        left = K - k0
+        a = tl.load(a_ptrs, mask=a_row_ok[:, None] & (kk < left)[None, :], other=0.0)
+        g_ok = g < left // 32
+        blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
+        scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
+        acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH)
+        a_ptrs += BLOCK_K
+        blk_ptrs += BLOCK_K // 2
+        scl_ptrs += (BLOCK_K // 32) * stride_sg
+    return acc
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
+    act_ptr, stride_at, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
+    num_tiles, hidden, inter, limit, alpha,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):  # fmt: skip
+    tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
+    tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
+    a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+    # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
+    wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    acc = _mx_matmul(
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
+        wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
+        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
+    )  # fmt: skip
+    acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = _swiglu(gate, up, limit, alpha)
+    act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+    act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
+    y_ptr, stride_yt, gamma_ptr, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
+    num_tiles, hidden, inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+):  # fmt: skip
+    tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + tl.arange(0, BLOCK_K)[None, :]
+    acc = _mx_matmul(
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
+        cols, col_ok, inter, stride_wn, stride_sg,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
+    )  # fmt: skip
+    slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
+    gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
+    # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
+    y = (acc + tl.load(bias_ptr + expert * hidden + cols, mask=col_ok, other=0.0)[None, :]) * gamma[:, None]
+    y_ptrs = y_ptr + slots[:, None].to(tl.int64) * stride_yt + cols[None, :]
+    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
+    y_ptrs = y_ptr + tokens[:, None].to(tl.int64) * (TOP_K * hidden) + cols[None, :]  # slot t*K + 0
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # fixed order: the sum is deterministic
+        acc += tl.load(y_ptrs + k * hidden, mask=ok, other=0.0)
+    out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * hidden + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_activation(a: torch.Tensor, rows: int, cols: int, name: str) -> None:
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name} must be bf16, fp16 or fp32, got {a.dtype}")
+    if tuple(a.shape) != (rows, cols) or a.stride(-1) != 1:
+        raise ValueError(f"{name} must be a row-major [{rows}, {cols}] tensor, got {tuple(a.shape)}")
+
+
+def _out_buffer(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"output buffer must be a contiguous {dtype} tensor of shape {shape}")
+    return out
+
+
+def _grid(routing: MoeRouting, columns: int, block_n: int) -> tuple[int]:
+    return (routing.max_tiles * triton.cdiv(columns, block_n),)
+
+
+def moe_gemm1_swiglu(
+    x: torch.Tensor,
+    routing: MoeRouting,
+    w: MoeWeights,
+    limit: float,
+    alpha: float,
+    config: MoeConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, C] -> act [S, I] in x.dtype, row r for sorted row r (slot routing.sorted_slots[r])."""
+    _check_activation(x, routing.num_tokens, w.hidden, "x")
+    if routing.block_m != config.block_m:
+        raise ValueError(f"routing tiles have {routing.block_m} rows, config wants {config.block_m}")
+    slots = routing.num_tokens * routing.top_k
+    act = _out_buffer(out, (slots, w.intermediate), x.dtype, x)
+    if routing.max_tiles == 0:
+        return act
+    _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1)](
+        x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
+        w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
+        act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
+        routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
+        TOP_K=routing.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+        A_FORMAT=_dot_scaled_format(config, x.dtype),
+        FAST_MATH=config.fast_math, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return act
+
+
+def moe_gemm2(
+    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
+    slots = routing.num_tokens * routing.top_k
+    _check_activation(act, slots, w.intermediate, "act")
+    if routing.block_m != config.block_m:
+        raise ValueError(f"routing tiles have {routing.block_m} rows, config wants {config.block_m}")
+    y = _out_buffer(out, (slots, w.hidden), torch.float32, act)
+    if routing.max_tiles == 0:
+        return y
+    _gemm2_kernel[_grid(routing, w.hidden, config.block_n2)](
+        act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
+        w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
+        y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
+        routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
+        A_FORMAT=_dot_scaled_format(config, act.dtype),
+        FAST_MATH=config.fast_math, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def moe_combine(y: torch.Tensor, top_k: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T*K, C] fp32 (slot order) -> [T, C] in `dtype`: the sum over each token's K slots."""
+    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % top_k:
+        raise ValueError(f"y must be a contiguous fp32 [T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
+    tokens, hidden = y.shape[0] // top_k, y.shape[1]
+    res = _out_buffer(out, (tokens, hidden), dtype, y)
+    if tokens:
+        block_t = min(COMBINE_TOKENS, triton.next_power_of_2(tokens))
+        grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, COMBINE_BLOCK))
+        _combine_kernel[grid](y, res, tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK_C=COMBINE_BLOCK)
+    return res
+
+
+def expert_weight(blocks: torch.Tensor, scales: torch.Tensor, expert: int) -> torch.Tensor:
+    """One expert of a MoeWeights matrix, dequantised: [N, K] fp32 (for twins and tests)."""
+    n, half = blocks.shape[1:]
+    return dequantize_mxfp4(blocks[expert].view(n, half // BYTES_PER_BLOCK, BYTES_PER_BLOCK), scales[expert].T)
+
+
+def _rows_by_expert(routing: MoeRouting):
+    """(expert, sorted rows of that expert) for each expert with work."""
+    expert_of_row = routing.topk_ids.reshape(-1).long()[routing.sorted_slots.long()]
+    for e in expert_of_row.unique().tolist():
+        yield e, torch.nonzero(expert_of_row == e).flatten()
+
+
+def moe_gemm1_swiglu_ref(
+    x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float
+) -> torch.Tensor:
+    """Twin of moe_gemm1_swiglu: fp32 math, result rounded to x.dtype."""
+    act = torch.zeros(routing.sorted_slots.shape[0], w.intermediate, dtype=x.dtype, device=x.device)
+    for e, rows in _rows_by_expert(routing):
+        tokens = routing.sorted_slots.long()[rows] // routing.top_k
+        h = x[tokens].float() @ expert_weight(w.w1_blocks, w.w1_scales, e).T + w.w1_bias[e]
+        gate = h[:, 0::2].clamp(max=limit)
+        up = h[:, 1::2].clamp(-limit, limit)
+        act[rows] = (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(x.dtype)
+    return act
+
+
+def moe_gemm2_ref(act: torch.Tensor, routing: MoeRouting, w: MoeWeights) -> torch.Tensor:
+    """Twin of moe_gemm2: fp32 [S, C] in slot order."""
+    y = torch.zeros(act.shape[0], w.hidden, dtype=torch.float32, device=act.device)
+    gamma = routing.topk_weights.reshape(-1)
+    for e, rows in _rows_by_expert(routing):
+        slots = routing.sorted_slots.long()[rows]
+        out = act[rows].float() @ expert_weight(w.w2_blocks, w.w2_scales, e).T + w.w2_bias[e]
+        y[slots] = out * gamma[slots, None]
+    return y
+
+
+def moe_combine_ref(y: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Twin of moe_combine."""
+    return y.view(-1, top_k, y.shape[1]).sum(dim=1).to(dtype)

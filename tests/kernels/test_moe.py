@@ -1,0 +1,343 @@
+"""MXFP4 MoE kernels vs their twins: routing (exact), gemm1+SwiGLU, gemm2, combine, and the whole
+forward pass vs moe_ref, in both regimes, on odd and block-boundary shapes; real shapes on the GPU."""
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close, rel_err
+
+from gptoss_cli.kernels.moe import (
+    MoeConfig,
+    MoeWorkspace,
+    moe_forward,
+    moe_ref,
+    pick_config,
+    prepare_moe_weights,
+    route_ref,
+)
+from gptoss_cli.kernels.moe_matmul import (
+    expert_weight,
+    moe_combine,
+    moe_combine_ref,
+    moe_gemm1_swiglu,
+    moe_gemm1_swiglu_ref,
+    moe_gemm2,
+    moe_gemm2_ref,
+)
+from gptoss_cli.kernels import moe_routing
+from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
+from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Small blocks so CPU shapes cross tile, column and K boundaries (C, I in {64, 96}).
+DECODE = MoeConfig("decode", block_m=16, block_n1=32, block_n2=64, block_k=64)
+PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32, num_warps=4)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
+
+
+def _raw_weights(experts, hidden, inter, device, scale_lo=120, scale_hi=126):
+    """Checkpoint-layout tensors: random packed bytes, scales around 2**-4 (values O(0.1-1))."""
+    def mx(n, k):
+        blocks = torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8, device=device)
+        scales = torch.randint(scale_lo, scale_hi, (experts, n, k // 32), dtype=torch.uint8, device=device)
+        return blocks, scales
+
+    b1, s1 = mx(2 * inter, hidden)
+    b2, s2 = mx(hidden, inter)
+    c1, c2 = 0.5 * torch.randn(experts, 2 * inter, device=device), 0.5 * torch.randn(experts, hidden, device=device)
+    return b1, s1, c1, b2, s2, c2
+
+
+def _inputs(tokens, experts, hidden, top_k, dtype, device, seed=0):
+    """x and a router whose logits have no tie at the top-k boundary (CPU torch.topk breaks ties
+    arbitrarily; the tie rule has its own test)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(100):
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+        rw = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(dtype).to(device)
+        rb = torch.randn(experts, generator=gen).to(dtype).to(device)
+        logits = (x @ rw.T + rb).float()
+        top = logits.topk(min(top_k + 1, experts), dim=-1).values
+        if top_k == experts or bool((top[:, top_k - 1] > top[:, top_k]).all()):
+            return x, rw, rb
+    raise AssertionError("could not draw tie-free router logits")
+
+
+def _tol(dtype, device):
+    return (GPU_TOL if device == "cuda" else TOL)[dtype]
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+
+def _check_route(logits, top_k, block_m):
+    device, experts = logits.device, logits.shape[1]
+    r = route(logits, top_k, block_m)
+    want_w, want_ids = route_ref(logits, top_k)
+    assert torch.equal(r.topk_ids.long(), want_ids)
+    assert_close(r.topk_weights, want_w, 1e-6, "routing weights")
+    want = route_metadata_ref(r.topk_ids, experts, block_m)
+    for name, value in want.items():
+        assert torch.equal(getattr(r, name).long(), value.to(device)), name
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m",
+    [(1, 4, 4, 16), (3, 8, 2, 16), (17, 6, 3, 32), (67, 8, 4, 16), (130, 128, 4, 64), (300, 32, 4, 128)],
+)
+def test_route_matches_ref(device, tokens, experts, top_k, block_m):
+    _check_route(torch.randn(tokens, experts, device=device), top_k, block_m)
+
+
+def test_route_with_short_loop_steps(device, monkeypatch):
+    # Several histogram chunks and tile-table chunks per program, which real shapes need only at large T.
+    monkeypatch.setattr(moe_routing, "HIST_ROWS_PER_STEP", 2)
+    monkeypatch.setattr(moe_routing, "TILE_ENTRIES_PER_STEP", 4)
+    _check_route(torch.randn(130, 8, device=device), 4, 16)
+
+
+def test_route_metadata_is_consistent(device):
+    tokens, experts, top_k, block_m = 45, 8, 4, 16
+    r = route(torch.randn(tokens, experts, device=device), top_k, block_m)
+    counts, offsets = r.expert_counts.long(), r.expert_offsets.long()
+    assert int(counts.sum()) == tokens * top_k and int(offsets[-1]) == tokens * top_k
+    assert torch.equal(offsets[1:] - offsets[:-1], counts)
+    sorted_slots, slot_rows = r.sorted_slots.long(), r.slot_rows.long()
+    assert torch.equal(torch.sort(sorted_slots).values, torch.arange(tokens * top_k, device=device))
+    assert torch.equal(slot_rows[sorted_slots], torch.arange(tokens * top_k, device=device))
+    experts_of_rows = r.topk_ids.reshape(-1).long()[sorted_slots]
+    assert bool((experts_of_rows[1:] >= experts_of_rows[:-1]).all())  # grouped by expert
+    for tile in range(r.max_tiles):
+        e, start = int(r.tile_expert[tile]), int(r.tile_row_start[tile])
+        if e >= 0:
+            assert offsets[e] <= start < offsets[e + 1] and (start - offsets[e]) % block_m == 0
+    used = r.tile_expert >= 0
+    assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())
+    assert not bool(used[int(used.sum()):].any())  # idle entries are all at the end
+
+
+def test_route_ties_pick_lowest_index(device):
+    # Integer logits: many ties, inside the top-k and at its boundary.
+    logits = torch.randint(0, 4, (100, 16), device=device).float()
+    top_k = 4
+    r = route(logits, top_k, 16)
+    ids = r.topk_ids.long()
+    kth = logits.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]
+    above = logits > kth
+    tie_rank = torch.cumsum(logits == kth, dim=-1)  # 1-based rank among the tied columns
+    want = above | ((logits == kth) & (tie_rank <= top_k - above.sum(-1, keepdim=True)))
+    got = torch.zeros_like(want).scatter_(1, ids, True)
+    assert torch.equal(got, want)
+    chosen = logits.gather(1, ids)
+    assert bool((chosen[:, 1:] <= chosen[:, :-1]).all())  # largest first
+    ties_first = (chosen[:, 1:] == chosen[:, :-1]) <= (ids[:, 1:] > ids[:, :-1])
+    assert bool(ties_first.all())  # equal logits in index order
+    assert_close(r.topk_weights, torch.softmax(chosen, dim=-1), 1e-6, "tied weights")
+
+
+@requires_gpu
+def test_route_tie_set_matches_cuda_topk():
+    logits = torch.randint(0, 4, (1000, 32), device="cuda").to(torch.bfloat16)
+    ids = route(logits, 4, 16).topk_ids.long()
+    _, want = route_ref(logits, 4)
+    assert torch.equal(ids.sort(dim=-1).values, want.sort(dim=-1).values)
+
+
+def test_route_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.randn(3, 4), 5, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        route(torch.randn(3, 4), 2, 24)
+    with pytest.raises(TypeError):
+        route(torch.zeros(3, 4, dtype=torch.int32), 2, 16)
+
+
+# --- weights and matmul stages -------------------------------------------------------------------
+
+
+def test_prepare_keeps_the_packed_bytes(device):
+    raw = _raw_weights(3, 64, 96, device, scale_lo=1, scale_hi=241)
+    w = prepare_moe_weights(*raw)
+    assert w.w1_blocks.dtype == torch.uint8 and w.w1_blocks.numel() == raw[0].numel()
+    assert (w.num_experts, w.hidden, w.intermediate) == (3, 64, 96)
+    for e in range(3):
+        assert torch.equal(expert_weight(w.w1_blocks, w.w1_scales, e), dequantize_mxfp4(raw[0][e], raw[1][e]))
+        assert torch.equal(expert_weight(w.w2_blocks, w.w2_scales, e), dequantize_mxfp4(raw[3][e], raw[4][e]))
+
+
+def test_prepare_rejects_bad_weights():
+    b1, s1, c1, b2, s2, c2 = _raw_weights(2, 64, 64, "cpu")
+    with pytest.raises(TypeError):
+        prepare_moe_weights(b1.int(), s1, c1, b2, s2, c2)
+    with pytest.raises(ValueError, match="down"):
+        prepare_moe_weights(b1, s1, c1, b2[:, :32], s2, c2)
+    with pytest.raises(ValueError, match="bias"):
+        prepare_moe_weights(b1, s1, c1[:, :3], b2, s2, c2)
+
+
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize(
+    "tokens,experts,hidden,inter,top_k,dtype",
+    [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
+)
+def test_stages_match_twins(device, config, tokens, experts, hidden, inter, top_k, dtype):
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    limit, alpha = 3.0, 1.702  # a low limit so both clamps bite
+    act = moe_gemm1_swiglu(x, r, w, limit, alpha, config)
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    assert_close(act.float(), want_act.float(), _tol(dtype, device), "gemm1+swiglu")
+    y = moe_gemm2(want_act, r, w, config)
+    assert_close(y, moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemm2")
+    out = moe_combine(y, top_k, dtype)
+    combine_tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert_close(out.float(), moe_combine_ref(y, top_k, dtype).float(), combine_tol, "combine")
+
+
+def test_dequantisation_is_exact_over_the_scale_range(device):
+    # One expert, one token, identity-like activations: gemm2 returns weight columns exactly.
+    inter, hidden = 64, 64
+    b1, s1, c1, b2, s2, c2 = _raw_weights(1, hidden, inter, device)
+    # Every E8M0 scale the kernel promises to be exact for (1..240, module docstring).
+    s2 = torch.randint(1, 241, s2.shape, dtype=torch.uint8, device=device)
+    w = prepare_moe_weights(b1, s1, c1, b2, s2, torch.zeros_like(c2))
+    r = route(torch.zeros(inter, 1, device=device), 1, 16)
+    act = torch.eye(inter, device=device)  # row j picks column j of W2
+    y = moe_gemm2(act, r, w, DECODE)
+    assert torch.equal(y, dequantize_mxfp4(b2[0], s2[0]).T.contiguous())
+
+
+# --- the whole forward pass ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize(
+    "tokens,experts,hidden,inter,top_k,dtype",
+    [
+        (1, 4, 64, 64, 4, torch.float32),
+        (1, 8, 96, 64, 2, torch.bfloat16),
+        (3, 5, 64, 96, 3, torch.bfloat16),
+        (17, 8, 96, 64, 4, torch.float32),
+        (67, 8, 64, 96, 4, torch.bfloat16),
+    ],
+)
+def test_forward_matches_moe_ref(device, config, tokens, experts, hidden, inter, top_k, dtype):
+    raw = _raw_weights(experts, hidden, inter, device)
+    x, rw, rb = _inputs(tokens, experts, hidden, top_k, dtype, device)
+    limit = 4.0
+    want = moe_ref(x, rw, rb, *raw, top_k, limit=limit)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, limit=limit, config=config)
+    assert got.dtype == dtype
+    # bf16: moe_ref rounds h and y to bf16, the kernels keep them in fp32.
+    assert rel_err(got, want) < (_tol(dtype, device) if dtype == torch.float32 else 1e-2)
+    assert_close(got.float(), want.float(), _tol(dtype, device) if dtype == torch.float32 else 3e-2, "moe_forward")
+
+
+def test_forward_with_workspace_is_identical(device):
+    experts, hidden, inter, top_k = 6, 64, 64, 2
+    raw = _raw_weights(experts, hidden, inter, device)
+    w = prepare_moe_weights(*raw)
+    ws = MoeWorkspace.allocate(12, w, top_k, torch.float32, device)
+    for tokens, config in [(12, PREFILL), (5, DECODE)]:
+        x, rw, rb = _inputs(tokens, experts, hidden, top_k, torch.float32, device, seed=tokens)
+        plain = moe_forward(x, rw, rb, w, top_k, config=config)
+        assert torch.equal(moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config), plain)
+    with pytest.raises(ValueError, match="workspace"):
+        moe_forward(torch.randn(13, hidden, device=device), rw, rb, w, top_k, workspace=ws)
+
+
+def test_forward_rejects_bad_arguments():
+    raw = _raw_weights(4, 64, 64, "cpu")
+    w = prepare_moe_weights(*raw)
+    x, rw, rb = torch.randn(2, 64), torch.randn(4, 64), torch.randn(4)
+    with pytest.raises(ValueError, match="x must be"):
+        moe_forward(torch.randn(2, 32), rw, rb, w, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_forward(x, rw, rb, w, 5)
+    with pytest.raises(ValueError, match="router"):
+        moe_forward(x, rw[:3], rb, w, 2)
+    with pytest.raises(TypeError):
+        moe_forward(x.double(), rw, rb, w, 2)
+
+
+def test_forward_with_no_tokens(device):
+    w = prepare_moe_weights(*_raw_weights(4, 64, 64, device))
+    x, rw, rb = torch.randn(0, 64, device=device), torch.randn(4, 64, device=device), torch.randn(4, device=device)
+    out = moe_forward(x, rw, rb, w, 2)
+    assert out.shape == (0, 64)
+
+
+def test_pick_config_regimes():
+    assert pick_config(1, 32, 4).regime == "decode"
+    assert pick_config(64, 128, 4).regime == "decode"
+    small, large = pick_config(512, 32, 4), pick_config(4096, 32, 4)
+    assert small.regime == large.regime == "prefill"
+    assert small.block_m < large.block_m == 128  # tiles grow with rows per expert
+    with pytest.raises(ValueError):
+        MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=16)
+
+
+def test_quantised_weights_round_trip(device):
+    # Weights made by quantize_mxfp4 (not random bytes): the engine layout still dequantises to them.
+    experts, hidden, inter, top_k = 4, 64, 64, 2
+    b1, s1 = quantize_mxfp4(0.1 * torch.randn(experts, 2 * inter, hidden, device=device))
+    b2, s2 = quantize_mxfp4(0.1 * torch.randn(experts, hidden, inter, device=device))
+    raw = (b1, s1, torch.zeros(experts, 2 * inter, device=device), b2, s2, torch.zeros(experts, hidden, device=device))
+    x, rw, rb = _inputs(9, experts, hidden, top_k, torch.float32, device)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, config=DECODE)
+    assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "quantised weights")
+
+
+def test_benchmark_smoke(monkeypatch):
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_smoke", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    rows = bench.bench(device="cpu", smoke=True)
+    bench.print_table(rows)
+    assert rows and all("error" not in r and r["ms"] > 0 for r in rows)
+    assert {"gemm1+swiglu", "gemm2", "moe_forward", "route", "combine"} == {r["kernel"] for r in rows}
+
+
+# --- GPU: real gpt-oss-20b shapes in bf16 ----------------------------------------------------------
+
+
+@requires_gpu
+@pytest.mark.parametrize("use_dot_scaled", [False, True], ids=["dequant", "dot_scaled"])
+@pytest.mark.parametrize("tokens", [1, 512])
+def test_real_shapes_bf16(tokens, use_dot_scaled):
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    config = dataclasses.replace(pick_config(tokens, experts, top_k), use_dot_scaled=use_dot_scaled)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, config=config)
+    want = moe_ref(x, rw, rb, *raw, top_k)
+    assert rel_err(got, want) < 1e-2
+
+
+@requires_gpu
+def test_cuda_graph_replay_matches_eager():
+    experts, hidden, inter, top_k, tokens = 32, 2880, 2880, 4, 8
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    ws = MoeWorkspace.allocate(tokens, w, top_k, torch.bfloat16, "cuda")
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    moe_forward(x, rw, rb, w, top_k, workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(x, rw, rb, w, top_k, workspace=ws)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_forward(x.clone(), rw, rb, w, top_k))
