@@ -31,10 +31,10 @@ class Ui:
         return self.err.is_terminal
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/] {escape(message)}")
+        self.err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
     def note(self, message: str) -> None:
-        self.err.print(f"[dim]{escape(message)}[/]")
+        self.err.print(f"[dim]{escape(message)}[/]", soft_wrap=True)
 
     def error(self, message: str, hint: str = "") -> None:
         self.err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
