@@ -1,4 +1,20 @@
 """Triton kernels for gpt-oss on Hopper, each with a plain-torch twin that defines its meaning.
 
-The runtime imports kernels only through this package.
+The runtime's GPU engine imports kernels only through this package. Under TRITON_INTERPRET=1
+the same kernels run on the CPU (tests); bf16 is loaded and computed in fp32 there.
 """
+
+from .attention import prefill_attention
+from .decode_attention import choose_num_splits, decode_attention
+from .kv_store import kv_store
+from .moe import MoeWorkspace, moe_forward
+from .moe_matmul import MoeConfig, MoeWeights, prepare_moe_weights
+from .rmsnorm import rms_norm
+from .rope import apply_rope, apply_rope_qkv, rope_cos_sin
+from .sampling import sample
+
+__all__ = [
+    "MoeConfig", "MoeWeights", "MoeWorkspace", "apply_rope", "apply_rope_qkv", "choose_num_splits",
+    "decode_attention", "kv_store", "moe_forward", "prefill_attention", "prepare_moe_weights",
+    "rms_norm", "rope_cos_sin", "sample",
+]

@@ -14,6 +14,8 @@ anything back to the host and all sizes depend on T only, so a fixed-T forward i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -70,20 +72,23 @@ def moe_ref(
     top_k: int,
     limit: float = 7.0,
     alpha: float = 1.702,
+    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """x [T, C] -> [T, C] in x.dtype. Experts are dequantised one at a time, only when hit,
-    so peak memory is one expert (this is also the CPU path for real checkpoints)."""
+    so peak memory is one expert (this is also the CPU path for real checkpoints).
+    `expert_weights(e) -> (W1_e, W2_e)` in x.dtype may supply them instead (a cache)."""
     dt = x.dtype
     logits = x @ router_weight.to(dt).T + router_bias.to(dt)
     weights, experts = route_ref(logits, top_k)
+    if expert_weights is None:
+        expert_weights = lambda e: (dequantize_mxfp4(w1_blocks[e], w1_scales[e], dt),  # noqa: E731
+                                    dequantize_mxfp4(w2_blocks[e], w2_scales[e], dt))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in experts.unique().tolist():
         tok, slot = torch.where(experts == e)
-        w1 = dequantize_mxfp4(w1_blocks[e], w1_scales[e], dt)
+        w1, w2 = expert_weights(e)
         h = x[tok] @ w1.T + w1_bias[e].to(dt)
-        del w1
         a = swiglu_ref(h, limit, alpha)
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], dt)
         y = a @ w2.T + w2_bias[e].to(dt)
         out.index_add_(0, tok, y.float() * weights[tok, slot, None])
     return out.to(dt)

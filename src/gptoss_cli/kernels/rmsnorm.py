@@ -1,11 +1,17 @@
 """RMSNorm with the residual add fused (gpt-oss-model.md §2.2).
 
 y = h * rsqrt(mean(h^2) + eps) * weight, h = x (+ residual), statistics in fp32, gain only.
+
+`rms_norm` is one Triton launch: each program normalises ROWS whole rows (the row lives in
+registers, so x and residual are read once and y and h written once), ROWS > 1 only for narrow
+rows. The sum h = x + residual is rounded to x.dtype before the statistics, exactly as stored.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rms_norm_ref(
@@ -17,3 +23,93 @@ def rms_norm_ref(
     h = h_out.float()  # the residual stream is stored in x.dtype; normalise what is stored
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype), h_out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, h_ptr,
+    T, C, stride_x, stride_r, stride_y, stride_h, eps,
+    HAS_RES: tl.constexpr, STORE_H: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    mask = (rows < T)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows * stride_r + cols[None, :], mask=mask, other=0.0)
+        # Round the sum to the stored dtype first: the statistics see what the stream keeps.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if STORE_H:
+        tl.store(h_ptr + rows * stride_h + cols[None, :], x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 1) / C + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = h * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device}, x on {like.device}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along C")
+
+
+def _launch_shape(c: int) -> tuple[int, int, int]:
+    """(BLOCK_C, ROWS, num_warps): whole rows, 2K-4K elements and about 16 per thread per program."""
+    block_c = triton.next_power_of_2(c)
+    rows = max(1, min(16, 2048 // block_c))
+    num_warps = max(1, min(16, block_c * rows // 512))
+    return block_c, rows, num_warps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_ref` in one launch: x [T, C] (+ residual [T, C]) -> (y, h), both x.dtype.
+
+    h is x itself when there is no residual and no `residual_out`. `out` / `residual_out` may be
+    preallocated (and may alias x or residual: each row is read whole before it is written).
+    No host sync, so it can be captured in a CUDA graph.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    if weight.shape != (x.shape[1],) or weight.device != x.device:
+        raise ValueError(f"weight must be [{x.shape[1]}] on {x.device}, "
+                         f"got {tuple(weight.shape)} on {weight.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    if residual is not None:
+        _check_2d("residual", residual, x)
+    store_h = residual is not None or residual_out is not None
+    if out is None:
+        out = torch.empty_like(x)
+    if residual_out is None:
+        residual_out = torch.empty_like(x) if residual is not None else x
+    for name, t in (("out", out), ("residual_out", residual_out)):
+        _check_2d(name, t, x)
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must be {x.dtype}, got {t.dtype}")
+    tokens, c = x.shape
+    if tokens == 0:
+        return out, residual_out
+    block_c, rows, num_warps = _launch_shape(c)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(triton.cdiv(tokens, rows),)](
+        x, res, weight, out, residual_out,
+        tokens, c, x.stride(0), res.stride(0), out.stride(0), residual_out.stride(0), float(eps),
+        HAS_RES=residual is not None, STORE_H=store_h, ROWS=rows, BLOCK_C=block_c,
+        num_warps=num_warps)
+    return out, residual_out

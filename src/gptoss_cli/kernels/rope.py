@@ -3,6 +3,10 @@
 gpt-oss-model.md §2.4: inv_freq blends original and factor-scaled frequencies over a linear
 ramp between unrounded `low`/`high`; the concentration 0.1*ln(factor)+1 multiplies cos and sin.
 Tables are fp32 [max_positions, head_dim/2]; position p uses row p.
+
+`apply_rope` rotates q and k in place in one launch, one program per token (all heads of q and k
+share that token's cos/sin row). q and k may be strided views, e.g. the q and k columns of the
+fused qkv projection output (`apply_rope_qkv`), so no copy is needed.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 
 def yarn_inv_freq(head_dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
@@ -45,3 +51,94 @@ def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     s = sin[positions][:, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, stride_d, num_heads, c, s, live,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate heads [0, num_heads) of one token in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (j < HALF) & live
+    p1 = base + h * stride_h + j * stride_d
+    p2 = p1 + HALF * stride_d
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    tl.store(p1, (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(p2, (b * c + a * s).to(x2.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, num_positions,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cs,
+    H, HKV,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    # Out-of-table positions (e.g. -1 for padded slots of a captured batch) are left untouched.
+    live = (pos >= 0) & (pos < num_positions)
+    pos = tl.where(live, pos, 0)
+    j = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_ptr + pos * stride_cs + j, mask=j < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + j, mask=j < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, H, c, s, live, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, HKV, c, s, live, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+def _check_rope_args(q, k, positions, cos, sin) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [T, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same T and an even D")
+    if positions.shape != (t,) or positions.dtype.is_floating_point:
+        raise ValueError(f"positions must be an integer tensor of shape ({t},), got {tuple(positions.shape)}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"cos/sin tables must be fp32, got {cos.dtype}/{sin.dtype}")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != d // 2:
+        raise ValueError(f"cos/sin must both be [P, {d // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if len({q.device, k.device, positions.device, cos.device, sin.device}) != 1:
+        raise ValueError("q, k, positions, cos and sin must be on one device")
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> None:
+    """`apply_rope_ref` on q [T, H, D] and k [T, Hkv, D], in place, in one launch.
+
+    q and k may be any strided views (math in fp32, stored in their dtype). Positions outside
+    [0, P) leave their token untouched. No host sync, so it can be captured in a CUDA graph.
+    """
+    _check_rope_args(q, k, positions, cos, sin)
+    tokens, heads, d = q.shape
+    if tokens == 0:
+        return
+    cos, sin = cos.contiguous(), sin.contiguous()  # no-ops for the shared tables
+    half = d // 2
+    _rope_kernel[(tokens,)](
+        q, k, positions, cos, sin, cos.shape[0],
+        *q.stride(), *k.stride(), cos.stride(0),
+        heads, k.shape[1],
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_HKV=triton.next_power_of_2(k.shape[1]), num_warps=4)
+
+
+def qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split fused qkv [T, (H + 2 Hkv) D] (q | k | v columns) into views [T, H, D], [T, Hkv, D] x2."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"qkv must be [T, {width}], got {tuple(qkv.shape)}")
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return (q.unflatten(1, (num_heads, head_dim)), k.unflatten(1, (num_kv_heads, head_dim)),
+            v.unflatten(1, (num_kv_heads, head_dim)))
+
+
+def apply_rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate the q and k columns of fused qkv [T, (H + 2 Hkv) D] in place (v is not touched)."""
+    q, k, _ = qkv_views(qkv, num_heads, num_kv_heads, head_dim)
+    apply_rope(q, k, positions, cos, sin)

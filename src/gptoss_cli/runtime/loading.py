@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from .api import Engine
-from .checkpoint import ModelWeights, load_checkpoint
-from .random_checkpoint import PREFIX, random_weights
+from .checkpoint import ModelWeights, check_directory, load_checkpoint
+from .config import load_model_config
+from .random_checkpoint import PREFIX, random_config, random_weights
 
 
 def default_device() -> str:
@@ -25,8 +26,21 @@ def load_weights(spec: str | os.PathLike, device: str | None = None, seed: int =
     device = device or default_device()
     text = str(spec)
     if text.startswith(PREFIX):
-        return random_weights(text[len(PREFIX):], seed=seed, device=device)
-    return load_checkpoint(Path(text).expanduser(), device=device)
+        name = text[len(PREFIX):]
+        _preflight(random_config(name), device)
+        return random_weights(name, seed=seed, device=device)
+    path = Path(text).expanduser()
+    check_directory(path)
+    _preflight(load_model_config(path / "config.json"), device)
+    return load_checkpoint(path, device=device)
+
+
+def _preflight(cfg, device: str) -> None:
+    if torch.device(device).type == "cuda":
+        from .gpu.preflight import check_device, check_weights_fit
+
+        check_device(torch.device(device))
+        check_weights_fit(cfg, torch.device(device))
 
 
 def load_tokenizer(weights: ModelWeights):
@@ -38,8 +52,15 @@ def load_tokenizer(weights: ModelWeights):
     return Tokenizer.from_ranks(load_o200k_base_ranks())
 
 
-def create_engine(weights: ModelWeights, **options) -> Engine:
-    """The fastest engine the hardware allows for these weights."""
+def create_engine(weights: ModelWeights, progress=None, **options) -> Engine:
+    """The GPU engine for weights on a CUDA device, else the CPU reference engine.
+
+    `progress(stage, done, total)` is called during warm-up (graph capture)."""
+    if weights.device.type == "cuda":
+        from .gpu.engine import GpuEngine
+
+        return GpuEngine(weights, progress=progress, **options)
     from .cpu_engine import CpuEngine
 
+    options.pop("cuda_graphs", None)
     return CpuEngine(weights, **options)

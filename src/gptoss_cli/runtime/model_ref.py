@@ -8,12 +8,14 @@ Dimension legend: T tokens in the batch, C hidden, H query heads, Hkv KV heads, 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.attention import attention_ref
 from ..kernels.moe import moe_ref
+from ..kernels.mxfp4 import dequantize_mxfp4
 from ..kernels.rmsnorm import rms_norm_ref
 from ..kernels.rope import apply_rope_ref, rope_cos_sin
 from .checkpoint import ModelWeights
@@ -77,10 +79,38 @@ class _Layer:
     window: int
 
 
+class ExpertCache:
+    """Dequantised experts kept within a byte budget (LRU): a small model keeps them all, a
+    real 20b on a 24 GB machine keeps the hot ones and re-dequantises the rest on demand."""
+
+    def __init__(self, budget_bytes: int, dtype: torch.dtype):
+        self.budget = budget_bytes
+        self.dtype = dtype
+        self._entries: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, layer: int, packed: tuple[torch.Tensor, ...], e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, e)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        w1b, w1s, _, w2b, w2s, _ = packed
+        pair = (dequantize_mxfp4(w1b[e], w1s[e], self.dtype), dequantize_mxfp4(w2b[e], w2s[e], self.dtype))
+        size = sum(t.numel() * t.element_size() for t in pair)
+        if size <= self.budget:
+            self._entries[key] = pair
+            self._bytes += size
+            while self._bytes > self.budget:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= sum(t.numel() * t.element_size() for t in old)
+        return pair
+
+
 class ReferenceModel:
     """Plain-torch gpt-oss over ragged batches: forward(list of (token ids, cache))."""
 
-    def __init__(self, weights: ModelWeights, dtype: torch.dtype | None = None):
+    def __init__(self, weights: ModelWeights, dtype: torch.dtype | None = None,
+                 expert_cache_bytes: int = 2 << 30):
         self.config = cfg = weights.config
         self.device = weights.device
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
@@ -90,6 +120,7 @@ class ReferenceModel:
         self.final_norm = cast(w["model.norm.weight"])
         self.lm_head = cast(w["lm_head.weight"])
         self.layers = [self._layer(weights, n, cast) for n in range(cfg.num_hidden_layers)]
+        self.experts = ExpertCache(expert_cache_bytes, self.dtype)
         self._cos = self._sin = torch.empty(0)
 
     def _layer(self, weights: ModelWeights, n: int, cast) -> _Layer:
@@ -130,7 +161,7 @@ class ReferenceModel:
             h, residual = rms_norm_ref(x, layer.attn_norm, self.config.rms_norm_eps, residual)
             x = self._attention(n, layer, h, positions, cos, sin, batch, lengths)
             h, residual = rms_norm_ref(x, layer.mlp_norm, self.config.rms_norm_eps, residual)
-            x = self._moe(layer, h)
+            x = self._moe(n, layer, h)
         for (_, cache), n in zip(batch, lengths):
             cache.advance(n)
         h, _ = rms_norm_ref(x, self.final_norm, self.config.rms_norm_eps, residual)
@@ -159,7 +190,8 @@ class ReferenceModel:
         o = torch.cat(outs).reshape(-1, cfg.q_size)
         return o @ layer.o_w.T + layer.o_b
 
-    def _moe(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _moe(self, n: int, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         return moe_ref(h, layer.router_w, layer.router_b, *layer.experts,
-                       top_k=cfg.num_experts_per_tok, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+                       top_k=cfg.num_experts_per_tok, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha,
+                       expert_weights=lambda e: self.experts.get(n, layer.experts, e))

@@ -1,0 +1,295 @@
+"""Every GPU check and benchmark in one script, for the H200 machine; prints a short table.
+
+    PYTHONPATH=src python scripts/gpu_check.py [SECTION ...] [--out DIR]
+
+Sections (default: all, in this order):
+  env       GPU, versions, measured copy bandwidth and bf16 matmul rate
+  kernels   the kernel tests (tests/kernels) on the GPU at real shapes
+  kbench    kernel benchmarks (benchmarks/bench_*.py)
+  tiny      GPU engine vs reference model on random:tiny (graph vs eager, batched vs single, prefix)
+  e20b      random gpt-oss-20b written to disk: engine vs reference vs transformers, greedy agreement
+  bench20b  engine decode/prefill benchmarks on random:20b (+ transformers side by side)
+  e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
+Full results go to DIR/gpu_check.json (DIR defaults to $OUT or /tmp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROWS: list[tuple[str, str, str]] = []  # (section, metric, value) for the final table
+RESULTS: dict[str, object] = {}
+
+
+def row(section: str, metric: str, value) -> None:
+    ROWS.append((section, metric, str(value)))
+    print(f"[{section}] {metric}: {value}", flush=True)
+
+
+def timed_cuda(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+# ---- sections ----------------------------------------------------------------------------
+
+def section_env(args) -> None:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    row("env", "gpu", f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs "
+                      f"{props.total_memory / 2**30:.0f} GiB")
+    row("env", "versions", f"torch {torch.__version__} triton {triton.__version__} python {sys.version.split()[0]}")
+    n = 1 << 30
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timed_cuda(lambda: dst.copy_(src))
+    bw = 2 * n / (ms / 1e3)
+    RESULTS["copy_bandwidth"] = bw
+    row("env", "copy bandwidth (read+write)", f"{bw / 1e12:.2f} TB/s")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = timed_cuda(lambda: a @ b)
+    RESULTS["bf16_tflops"] = 2 * 8192**3 / (ms / 1e3) / 1e12
+    row("env", "bf16 matmul 8192^3", f"{RESULTS['bf16_tflops']:.0f} TFLOP/s")
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+
+
+def section_kernels(args) -> None:
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-x", "-p", "no:cacheprovider",
+           "--timeout", "900"]
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-15:]
+    print("\n".join(tail))
+    if proc.returncode:
+        print(proc.stderr[-3000:])
+    row("kernels", "pytest tests/kernels on GPU", f"rc={proc.returncode} ({tail[-1] if tail else ''}) {time.time() - t:.0f}s")
+
+
+def section_kbench(args) -> None:
+    for script in sorted(Path("benchmarks").glob("bench_*.py")):
+        t = time.time()
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": "src"})
+        print(proc.stdout[-6000:])
+        if proc.returncode:
+            print(proc.stderr[-3000:])
+        row("kbench", script.name, f"rc={proc.returncode} {time.time() - t:.0f}s")
+
+
+def _engine(weights, **opts):
+    from gptoss_cli.runtime.gpu.engine import GpuEngine
+
+    return GpuEngine(weights, **opts)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max relative error over rows' max, mean relative Frobenius error per row)."""
+    a, b = a.float(), b.float()
+    max_rel = ((a - b).abs().max() / b.abs().max()).item()
+    per_row = ((a - b).norm(dim=-1) / b.norm(dim=-1)).mean().item()
+    return max_rel, per_row
+
+
+def _prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 199998, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def section_tiny(args) -> None:
+    from gptoss_cli.runtime.api import SamplingParams
+    from gptoss_cli.runtime.model_ref import ReferenceModel
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    ref = ReferenceModel(random_weights("tiny", seed=3, device="cuda"), dtype=torch.float32)
+    eng = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=8, kv_memory_bytes=1 << 30)
+    prompts = _prompts(6, [5, 64, 129, 300, 1000, 2500])
+    for p in prompts[:3]:
+        got = eng.score(p)
+        want = ref.forward([(p, ref.new_cache())], all_logits=True)
+        row("tiny", f"score len {len(p)} max/mean rel err vs fp32 ref", "%.2e / %.2e" % _rel(got, want))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batched = [o.token_ids for o in eng.generate(prompts, greedy)]
+    single = [eng.generate([p], greedy)[0].token_ids for p in prompts]
+    row("tiny", "batched == one-at-a-time (greedy, 6 prompts)", batched == single)
+    eng.runner.use_graphs = False
+    eager = [o.token_ids for o in eng.generate(prompts, greedy)]
+    eng.runner.use_graphs = True
+    row("tiny", "graph == eager", eager == batched)
+    refs = []
+    for p in prompts:
+        cache, ids, toks = ref.new_cache(), p, []
+        for _ in range(24):
+            t = int(ref.forward([(ids, cache)])[0].argmax())
+            toks.append(t)
+            ids = [t]
+        refs.append(toks)
+    row("tiny", "greedy == fp32 reference (prompts agreeing fully)", f"{sum(a == b for a, b in zip(batched, refs))}/6")
+    follow = prompts[3] + batched[3][:10] + _prompts(1, [40], seed=9)[0]
+    before = eng.free_blocks()
+    out = eng.generate([follow], greedy)[0]
+    eng2 = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=8, kv_memory_bytes=1 << 30)
+    fresh = eng2.generate([follow], greedy)[0]
+    row("tiny", "prefix-cached == uncached", f"{out.token_ids == fresh.token_ids} (cached {out.cached_prompt_tokens})")
+    row("tiny", "free blocks restored after requests", eng.free_blocks() == before)
+
+
+SHAPE_20B = {"name": "20b"}
+
+
+def section_e20b(args) -> None:
+    from gptoss_cli.runtime.api import SamplingParams
+    from gptoss_cli.runtime.checkpoint import load_checkpoint
+    from gptoss_cli.runtime.model_ref import ReferenceModel
+    from gptoss_cli.runtime.random_checkpoint import write_checkpoint
+
+    path = Path("/tmp/random-20b")
+    t = time.time()
+    if not (path / "config.json").exists():
+        write_checkpoint(path, "20b", seed=0, device="cuda")
+    row("e20b", "write random 20b checkpoint", f"{time.time() - t:.0f}s")
+    eng = _engine(load_checkpoint(path, device="cuda"), max_batch=32, kv_memory_bytes=16 << 30)
+    ref = ReferenceModel(load_checkpoint(path, device="cuda"))
+    lengths = [7, 33, 64, 100, 129, 200, 257, 300, 400, 511, 600, 777, 900, 1024, 1200, 1500, 1800, 2000, 2500, 3000]
+    prompts = _prompts(20, lengths, seed=1)
+    errs = []
+    for p in prompts[:6]:
+        errs.append(_rel(eng.score(p), ref.forward([(p, ref.new_cache())], all_logits=True)))
+    row("e20b", "engine vs bf16 reference logits max/mean rel err (6 prompts)",
+        "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ours = [o.token_ids for o in eng.generate(prompts, greedy)]
+    RESULTS["e20b_engine_greedy"] = ours
+    ref_out = []
+    for p in prompts:
+        cache, ids, toks = ref.new_cache(), p, []
+        for _ in range(64):
+            tok = int(ref.forward([(ids, cache)])[0].argmax())
+            toks.append(tok)
+            ids = [tok]
+        ref_out.append(toks)
+    row("e20b", "greedy 64 tok: engine == reference (prompts)", f"{sum(a == b for a, b in zip(ours, ref_out))}/20")
+    del ref
+    torch.cuda.empty_cache()
+    from transformers import GptOssForCausalLM
+
+    t = time.time()
+    hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    row("e20b", "transformers load (dequantised bf16)", f"{time.time() - t:.0f}s")
+    errs = []
+    with torch.no_grad():
+        for p in prompts[:6]:
+            want = hf(torch.tensor([p], device="cuda")).logits[0]
+            errs.append(_rel(eng.score(p), want))
+    row("e20b", "engine vs transformers logits max/mean rel err (6 prompts)",
+        "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
+    agree = 0
+    with torch.no_grad():
+        for p, mine in zip(prompts, ours):
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, min_new_tokens=64,
+                              do_sample=False, eos_token_id=None, pad_token_id=199999)[0, len(p):].tolist()
+            agree += out == mine
+    row("e20b", "greedy 64 tok: engine == transformers (prompts)", f"{agree}/20")
+
+
+def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int, seed: int = 0) -> float:
+    from gptoss_cli.runtime.api import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=seed)
+    prompts = _prompts(batch, [input_len], seed=seed + batch)
+    for p in prompts:
+        eng.add_request(p, params)
+    first, times = None, []
+    while eng.has_unfinished():
+        events = eng.step()
+        if events and all(e.index > 0 for e in events) and len(events) == batch:
+            times.append(events[0].time)
+    steps = len(times) - 1
+    tok_s = batch * steps / (times[-1] - times[0]) if steps > 0 else float("nan")
+    row(section, f"decode B={batch} in={input_len} out={output_len}", f"{tok_s:,.0f} tok/s")
+    return tok_s
+
+
+def _ttft(section: str, eng, input_len: int) -> None:
+    from gptoss_cli.runtime.api import SamplingParams
+
+    p = _prompts(1, [input_len], seed=input_len)[0]
+    eng.generate([p], SamplingParams(temperature=0, max_tokens=1))  # warm the shapes
+    p = _prompts(1, [input_len], seed=input_len + 1)[0]
+    out = eng.generate([p], SamplingParams(temperature=0, max_tokens=1))[0]
+    row(section, f"TTFT {input_len}-token prompt", f"{(out.timings.first_token - out.timings.arrival) * 1e3:.1f} ms")
+
+
+def section_bench20b(args) -> None:
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    eng = _engine(random_weights("20b", device="cuda"), max_batch=64)
+    for b in (1, 64):
+        _bench_engine("bench20b", eng, b, 128, 256)
+    _ttft("bench20b", eng, 4096)
+    _bench_engine("bench20b", eng, 1, 32768, 128)
+
+
+def section_e120b(args) -> None:
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    t = time.time()
+    eng = _engine(random_weights("120b", device="cuda"), max_batch=64)
+    row("e120b", "build in memory + engine warm-up", f"{time.time() - t:.0f}s, weights {eng.weights_bytes / 2**30:.1f} GiB")
+    for b in (1, 64):
+        _bench_engine("e120b", eng, b, 128, 256)
+    _ttft("e120b", eng, 4096)
+
+
+SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
+            "e20b": section_e20b, "bench20b": section_bench20b, "e120b": section_e120b}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", default=list(SECTIONS))
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = parser.parse_args()
+    failed = 0
+    for name in args.sections:
+        t = time.time()
+        try:
+            SECTIONS[name](args)
+        except Exception:  # noqa: BLE001 - report and continue with the next section
+            traceback.print_exc()
+            row(name, "FAILED", traceback.format_exc().strip().splitlines()[-1][:160])
+            failed += 1
+        print(f"== {name} done in {time.time() - t:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "gpu_check.json").write_text(json.dumps({"rows": ROWS, "results": RESULTS}, indent=1, default=str))
+    width = max(len(m) for _, m, _ in ROWS) if ROWS else 10
+    print("\n" + "=" * 100)
+    for section, metric, value in ROWS:
+        print(f"{section:9} {metric:{width}}  {value}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

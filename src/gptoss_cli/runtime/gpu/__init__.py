@@ -1,0 +1,1 @@
+"""The GPU engine: paged KV cache, continuous batching, CUDA graphs, prefix caching, on Triton kernels."""

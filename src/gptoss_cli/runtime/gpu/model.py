@@ -1,0 +1,88 @@
+"""The gpt-oss forward pass on the Triton kernels, over a flat batch of tokens and the paged cache.
+
+One `ForwardBatch` describes a step: the tokens, their positions and cache slots, and either
+decode metadata (one token per sequence, keys all in the cache) or prefill metadata (packed
+chunks that also see earlier context from the cache). No host synchronisation happens here, so
+a decode step can be captured in a CUDA graph. Dimension legend: T tokens, B sequences, C
+hidden, H query heads, Hkv KV heads, D head dim, R rows that need logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_forward,
+                        prefill_attention, rms_norm, rope_cos_sin)
+from .kv_cache import KvCache
+from .weights import GpuWeights, LayerWeights
+
+
+@dataclass
+class ForwardBatch:
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    full_slots: torch.Tensor  # [T] int64, flat cache slot per token (full-attention pool)
+    slide_slots: torch.Tensor  # [T] int64 (sliding pool)
+    full_tables: torch.Tensor  # [B, max_blocks] int32
+    slide_tables: torch.Tensor  # [B, max_blocks] int32
+    logits_rows: torch.Tensor | None  # [R] int64 rows of T needing logits; None = all rows
+    decode: bool
+    seq_lens: torch.Tensor | None = None  # decode: [B] int32, keys per sequence incl. the new one
+    num_splits: tuple[int, int] = (1, 1)  # decode: split-K for (full, sliding) layers
+    cu_seqlens: torch.Tensor | None = None  # prefill: [B+1] int32
+    ctx_lens: torch.Tensor | None = None  # prefill: [B] int32, cached tokens before each chunk
+    max_seqlen_q: int = 0
+    max_ctx_len: int = 0
+
+
+class GpuModel:
+    def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int):
+        self.w = weights
+        self.cfg = cfg = weights.config
+        self.kv = kv
+        device = weights.embed.device
+        self.cos, self.sin = rope_cos_sin(cfg, max_positions, device)
+        self.moe_workspace = MoeWorkspace.allocate(max_step_tokens, weights.layers[0].experts,
+                                                   cfg.num_experts_per_tok, weights.embed.dtype, device)
+
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Logits [R, V] (activation dtype) for the requested rows."""
+        cfg = self.cfg
+        x = self.w.embed[b.tokens]
+        residual = None
+        for n, layer in enumerate(self.w.layers):
+            h, residual = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, residual)
+            x = self._attention(n, layer, h, b)
+            h, residual = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, residual)
+            x = moe_forward(h, layer.router_w, layer.router_b, layer.experts, cfg.num_experts_per_tok,
+                            cfg.swiglu_limit, cfg.swiglu_alpha, self.moe_workspace)
+        if b.logits_rows is not None:
+            x, residual = x[b.logits_rows], residual[b.logits_rows]
+        h, _ = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps, residual)
+        return h @ self.w.lm_head.T
+
+    def _attention(self, n: int, layer: LayerWeights, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        t = h.shape[0]
+        qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.T)
+        apply_rope_qkv(qkv, b.positions, self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        sliding = layer.window > 0
+        kc, vc = self.kv.k[n], self.kv.v[n]
+        slots = b.slide_slots if sliding else b.full_slots
+        tables = b.slide_tables if sliding else b.full_tables
+        if b.decode:
+            kv_store(k, v, kc, vc, slots)
+            o = decode_attention(q, kc, vc, tables, b.seq_lens, layer.sinks, cfg.sm_scale, layer.window, 0,
+                                 num_splits=b.num_splits[1 if sliding else 0])
+        else:
+            o = prefill_attention(q, k, v, kc, vc, tables, b.cu_seqlens, b.ctx_lens, layer.sinks, cfg.sm_scale,
+                                  layer.window, 0, b.max_seqlen_q, b.max_ctx_len)
+            kv_store(k, v, kc, vc, slots)
+        return torch.addmm(layer.o_b, o.reshape(t, cfg.q_size), layer.o_w.T)

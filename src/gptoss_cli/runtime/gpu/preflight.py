@@ -1,0 +1,64 @@
+"""Will it fit, and can this GPU run it? Checked before weights are loaded and before the KV
+cache is sized, so users get a sentence (with what would fit) instead of an OOM traceback."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint import expected_tensors
+from ..config import ModelConfig
+from ..errors import HardwareError
+
+GIB = 2**30
+# Activations, MoE workspace, logits, graph pools and allocator slack beyond weights and KV.
+WORKSPACE_BYTES = 3 * GIB
+
+
+def weights_bytes(cfg: ModelConfig) -> int:
+    """Bytes the checkpoint occupies on the GPU (MXFP4 experts packed, the rest bf16)."""
+    total = 0
+    for spec in expected_tensors(cfg).values():
+        n = 1
+        for d in spec.shape:
+            n *= d
+        total += n * (1 if spec.packed else 2)
+    return total
+
+
+def check_device(device: torch.device) -> None:
+    """The kernels need Triton on an NVIDIA GPU of compute capability 8.0 or newer (or, for
+    tests on a CPU-only machine, the Triton interpreter)."""
+    if device.type != "cuda":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        raise HardwareError(f"the GPU engine needs a CUDA device, got {device}", "use the CPU engine")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        name = torch.cuda.get_device_name(device)
+        raise HardwareError(f"{name} (compute capability {major}.{minor}) is not supported",
+                            "gptoss needs an NVIDIA GPU with compute capability 8.0+ (A100, H100, H200)")
+
+
+def check_weights_fit(cfg: ModelConfig, device: torch.device) -> None:
+    """Before loading: weights plus a minimal KV cache must fit in free memory."""
+    free, total = torch.cuda.mem_get_info(device)
+    need = weights_bytes(cfg) + WORKSPACE_BYTES
+    if need > free:
+        raise HardwareError(
+            f"the model needs {need / GIB:.1f} GiB of GPU memory; {free / GIB:.1f} of {total / GIB:.1f} GiB are free",
+            "free GPU memory (other processes?) or use a smaller model (20b)")
+
+
+def kv_budget_bytes(device: torch.device, opts, cfg: ModelConfig) -> int:
+    """Bytes for the KV pools once the weights are resident (opts.kv_memory_bytes overrides)."""
+    if opts.kv_memory_bytes is not None:
+        return opts.kv_memory_bytes
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * opts.memory_fraction) - WORKSPACE_BYTES
+    if budget <= 0:
+        raise HardwareError(f"only {free / GIB:.1f} GiB free after loading the weights",
+                            "free GPU memory or use a smaller model")
+    return budget

@@ -1,0 +1,201 @@
+"""Planned chunks -> device batch -> forward -> sampled tokens. Owns CUDA graphs and every sync.
+
+Two paths. Eager: any mix of prefill chunks and decode tokens, metadata built on the host and
+copied once. Graph: steps where every sequence has one pending token replay a decode graph
+captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
+(block 0) and produce nothing. Inside the graph the sampled tokens become the next step's
+inputs and positions advance, so a steady decode step only copies changed block-table entries
+in and the sampled ids out (the one host sync per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...kernels import choose_num_splits, sample
+from .kv_cache import KvCache
+from .model import ForwardBatch, GpuModel
+from .sequence import Sequence
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class _SamplingRows:
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+
+
+def _sampling_host(seqs: list[Sequence]) -> list[np.ndarray]:
+    p = [s.params for s in seqs]
+    return [np.array([x.temperature for x in p], np.float32), np.array([x.top_k for x in p], np.int32),
+            np.array([x.top_p for x in p], np.float32), np.array([x.min_p for x in p], np.float32),
+            np.array([s.seed for s in seqs], np.int64), np.array([s.num_generated for s in seqs], np.int64)]
+
+
+class Runner:
+    def __init__(self, model: GpuModel, kv: KvCache, max_batch: int, use_graphs: bool = True,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.plan.block_size
+        self.device = model.w.embed.device
+        self.max_batch = max_batch
+        self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_seqs: list[Sequence] | None = None  # batch the static buffers describe
+        self._alloc_static()
+
+    # ---- eager path ----------------------------------------------------------------------
+    def run_eager(self, chunks: list[tuple[Sequence, int]]) -> list[int | None]:
+        """Any mix of chunks; returns the sampled token per chunk (None mid-prompt)."""
+        self._graph_seqs = None  # the eager step moves positions past the static buffers
+        batch, sampled = self._build_eager(chunks)
+        logits = self.model.forward(batch)
+        tokens = [None] * len(chunks)
+        if sampled:
+            seqs = [chunks[i][0] for i in sampled]
+            params = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in _sampling_host(seqs)]
+            ids = sample(logits, *params).tolist()
+            for i, tok in zip(sampled, ids):
+                tokens[i] = tok
+        return tokens
+
+    def logits_all(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Logits of every token of the chunks (diagnostics: engine-vs-reference checks)."""
+        self._graph_seqs = None
+        batch, _ = self._build_eager(chunks)
+        batch.logits_rows = None
+        return self.model.forward(batch)
+
+    def _build_eager(self, chunks: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int]]:
+        bs = self.block_size
+        tok, pos, fslot, sslot, cu, ctx, rows, sampled, last_rows = [], [], [], [], [0], [], [], [], []
+        for i, (seq, n) in enumerate(chunks):
+            start = seq.num_computed
+            p = np.arange(start, start + n, dtype=np.int64)
+            tok.append(np.asarray(seq.tokens[start:start + n], dtype=np.int64))
+            pos.append(p)
+            fslot.append(np.asarray(seq.full_blocks, np.int64)[p // bs] * bs + p % bs)
+            sslot.append(np.asarray(seq.slide_blocks, np.int64)[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + n)
+            ctx.append(start)
+            rows.append(seq.row)
+            if start + n == len(seq.tokens):
+                sampled.append(i)
+                last_rows.append(cu[-1] - 1)
+        host = {
+            "tokens": np.concatenate(tok), "positions": np.concatenate(pos),
+            "full_slots": np.concatenate(fslot), "slide_slots": np.concatenate(sslot),
+            "logits_rows": np.asarray(last_rows, np.int64),
+        }
+        dev = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in host.items()}
+        row_idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        batch = ForwardBatch(
+            tokens=dev["tokens"], positions=dev["positions"], full_slots=dev["full_slots"],
+            slide_slots=dev["slide_slots"],
+            full_tables=self.kv.full_table.index_select(0, row_idx),
+            slide_tables=self.kv.slide_table.index_select(0, row_idx),
+            logits_rows=dev["logits_rows"], decode=False,
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(self.device, non_blocking=True),
+            ctx_lens=torch.tensor(ctx, dtype=torch.int32).to(self.device, non_blocking=True),
+            max_seqlen_q=max(n for _, n in chunks), max_ctx_len=max(ctx))
+        return batch, sampled
+
+    # ---- graph path ----------------------------------------------------------------------
+    def can_replay(self, n: int) -> bool:
+        return self.use_graphs and n <= self.max_batch and bool(self._graphs)
+
+    def run_decode_graph(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step for sequences that each have exactly one pending token."""
+        if self._graph_seqs != seqs:
+            self._load_static(seqs)
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        self._graphs[bucket].replay()
+        ids = self._s_out[: len(seqs)].tolist()  # the step's one host sync
+        return ids
+
+    def _alloc_static(self) -> None:
+        m, dev = self.max_batch, self.device
+        self._s_tokens = torch.zeros(m, dtype=torch.int64, device=dev)
+        self._s_positions = torch.zeros(m, dtype=torch.int64, device=dev)
+        self._s_rows = torch.zeros(m, dtype=torch.int64, device=dev)
+        self._s_active = torch.zeros(m, dtype=torch.int64, device=dev)
+        self._s_sampling = _SamplingRows(
+            torch.zeros(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.int32, device=dev),
+            torch.ones(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.float32, device=dev),
+            torch.zeros(m, dtype=torch.int64, device=dev), torch.zeros(m, dtype=torch.int64, device=dev))
+        self._s_out = torch.zeros(m, dtype=torch.int64, device=dev)
+
+    def _load_static(self, seqs: list[Sequence]) -> None:
+        n, m = len(seqs), self.max_batch
+        pad = lambda a, fill=0: np.concatenate([a, np.full(m - n, fill, a.dtype)])  # noqa: E731
+        host = [pad(np.array([s.tokens[s.num_computed] for s in seqs], np.int64)),
+                pad(np.array([s.num_computed for s in seqs], np.int64)),
+                pad(np.array([s.row for s in seqs], np.int64)),
+                pad(np.ones(n, np.int64))]
+        for dst, src in zip((self._s_tokens, self._s_positions, self._s_rows, self._s_active), host):
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+        fills = (1.0, 0, 1.0, 0.0, 0, 0)
+        for dst, src, fill in zip(vars(self._s_sampling).values(), _sampling_host(seqs), fills):
+            dst.copy_(torch.from_numpy(pad(src, fill)), non_blocking=True)
+        self._graph_seqs = list(seqs)
+
+    def _decode_body(self, b: int) -> None:
+        """The captured step for bucket b: forward, sample, advance inputs in place."""
+        bs = self.block_size
+        tok, pos, rows, active = self._s_tokens[:b], self._s_positions[:b], self._s_rows[:b], self._s_active[:b]
+        ft = self.kv.full_table.index_select(0, rows)
+        st = self.kv.slide_table.index_select(0, rows)
+        blk = (pos // bs)[:, None]
+        full_slots = ft.gather(1, blk).squeeze(1).long() * bs + pos % bs
+        slide_slots = st.gather(1, blk).squeeze(1).long() * bs + pos % bs
+        seq_lens = ((pos + 1) * active).to(torch.int32)
+        batch = ForwardBatch(tok, pos, full_slots, slide_slots, ft, st, None, True, seq_lens, self._splits[b])
+        logits = self.model.forward(batch)
+        s = self._s_sampling
+        nxt = sample(logits, s.temperature[:b], s.top_k[:b], s.top_p[:b], s.min_p[:b], s.seeds[:b], s.offsets[:b])
+        self._s_out[:b].copy_(nxt)
+        tok.copy_(nxt)
+        pos.add_(active)
+        s.offsets[:b].add_(active)
+
+    def capture(self, max_context: int, progress: Callable[[int, int], None] | None = None) -> None:
+        """Warm up (compile) and capture one decode graph per bucket, largest first."""
+        cfg = self.model.cfg
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        self._splits = {b: (choose_num_splits(b, cfg.num_key_value_heads, max_context, sms),
+                            choose_num_splits(b, cfg.num_key_value_heads, cfg.sliding_window, sms))
+                        for b in self.buckets}
+        if not self.use_graphs:
+            return
+        self._load_static([])
+        pool = None
+        for i, b in enumerate(sorted(self.buckets, reverse=True)):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._decode_body(b)  # compiles kernels for this shape outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._decode_body(b)
+            pool = graph.pool()
+            self._graphs[b] = graph
+            if progress:
+                progress(i + 1, len(self.buckets))
+        self._load_static([])
+        self._graph_seqs = None
+
+    def splits_for(self, n: int) -> tuple[int, int]:
+        bucket = next((b for b in self.buckets if b >= n), self.buckets[-1])
+        return self._splits[bucket]

@@ -1,0 +1,87 @@
+"""Checkpoint tensors rearranged once, at load, into what the GPU forward pass reads.
+
+q/k/v are fused into one [H*D + 2*Hkv*D, C] matrix (one GEMM instead of three); experts stay
+MXFP4 (kernels.prepare_moe_weights may re-lay the packed bytes, never dequantise); sinks and
+norm gains become fp32 because the kernels compute in fp32 anyway. Source tensors are dropped
+as they are converted, so peak memory stays near the checkpoint size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import prepare_moe_weights
+from ..checkpoint import ModelWeights
+from ..config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    o_w: torch.Tensor
+    o_b: torch.Tensor
+    sinks: torch.Tensor
+    mlp_norm: torch.Tensor
+    router_w: torch.Tensor
+    router_b: torch.Tensor
+    experts: object  # kernels.MoeWeights
+    window: int  # 0 for full-attention layers
+
+
+@dataclass
+class GpuWeights:
+    config: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for t in (self.embed, self.final_norm, self.lm_head):
+            total += t.numel() * t.element_size()
+        for layer in self.layers:
+            for value in vars(layer).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
+
+
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> GpuWeights:
+    """Consume `weights.tensors` (entries are popped) into the GPU layout on their device."""
+    cfg, t = weights.config, weights.tensors
+    cast = lambda x: x.to(dtype).contiguous()  # noqa: E731
+    layers = [_layer(cfg, t, n, cast) for n in range(cfg.num_hidden_layers)]
+    return GpuWeights(
+        config=cfg,
+        embed=cast(t.pop("model.embed_tokens.weight")),
+        layers=layers,
+        final_norm=t.pop("model.norm.weight").float(),
+        lm_head=cast(t.pop("lm_head.weight")),
+    )
+
+
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast) -> LayerWeights:
+    p = f"model.layers.{n}."
+    pop = lambda name: t.pop(p + name)  # noqa: E731
+    qkv_w = cast(torch.cat([pop(f"self_attn.{x}_proj.weight") for x in "qkv"]))
+    qkv_b = cast(torch.cat([pop(f"self_attn.{x}_proj.bias") for x in "qkv"]))
+    experts = prepare_moe_weights(
+        pop("mlp.experts.gate_up_proj_blocks"), pop("mlp.experts.gate_up_proj_scales"),
+        pop("mlp.experts.gate_up_proj_bias"), pop("mlp.experts.down_proj_blocks"),
+        pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"))
+    return LayerWeights(
+        attn_norm=pop("input_layernorm.weight").float(),
+        qkv_w=qkv_w, qkv_b=qkv_b,
+        o_w=cast(pop("self_attn.o_proj.weight")), o_b=cast(pop("self_attn.o_proj.bias")),
+        sinks=pop("self_attn.sinks").float(),
+        mlp_norm=pop("post_attention_layernorm.weight").float(),
+        router_w=cast(pop("mlp.router.weight")), router_b=cast(pop("mlp.router.bias")),
+        experts=experts,
+        window=cfg.sliding_window if cfg.is_sliding(n) else 0,
+    )
