@@ -60,7 +60,7 @@ class GpuEngine(Engine):
         dtype = getattr(torch, opts.dtype)
         gpu_weights = prepare_weights(weights, dtype)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
-                              opts.max_batch, opts.max_step_tokens)
+                              opts.max_batch, opts.max_step_tokens, dtype.itemsize)
         self.kv_cache = KvCache(cfg, plan, opts.max_batch, device, dtype)
         self.kv = KvManager(plan.full_blocks, plan.slide_blocks, opts.block_size, cfg.sliding_window)
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)

@@ -26,16 +26,20 @@ class KvPlan:
     bytes_per_block: int  # one block in one layer, k + v
 
 
+def sliding_blocks_needed(cfg: ModelConfig, block_size: int, max_batch: int, max_step_tokens: int) -> int:
+    """Every running sequence's window plus a step's worth of prefill chunk blocks, and as much
+    again kept as prefix cache (plus the scratch block)."""
+    window_blocks = -(-cfg.sliding_window // block_size) + 1
+    return 2 * (max_batch * window_blocks + -(-max_step_tokens // block_size) + max_batch) + 1
+
+
 def plan_kv_memory(cfg: ModelConfig, budget_bytes: int, block_size: int, max_context: int,
-                   max_batch: int, max_step_tokens: int) -> KvPlan:
+                   max_batch: int, max_step_tokens: int, element_bytes: int = 2) -> KvPlan:
     """Split `budget_bytes` between the pools; raise HardwareError naming what would fit."""
-    per_block = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * 2  # k + v, bf16
+    per_block = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * element_bytes  # k + v
     n_full = sum(1 for n in range(cfg.num_hidden_layers) if not cfg.is_sliding(n))
     n_slide = cfg.num_hidden_layers - n_full
-    window_blocks = -(-cfg.sliding_window // block_size) + 1
-    # Sliding blocks: every running sequence's window, a step's worth of prefill chunk blocks,
-    # and as much again kept as prefix cache.
-    slide_needed = 2 * (max_batch * window_blocks + -(-max_step_tokens // block_size) + max_batch) + 1
+    slide_needed = sliding_blocks_needed(cfg, block_size, max_batch, max_step_tokens)
     slide_bytes = slide_needed * per_block * n_slide
     full_blocks = (budget_bytes - slide_bytes) // max(1, per_block * n_full) if n_full else 1
     max_blocks = -(-max_context // block_size)
