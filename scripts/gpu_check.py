@@ -76,11 +76,11 @@ def section_env(args) -> None:
 
 
 def section_kernels(args) -> None:
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-x", "-p", "no:cacheprovider",
-           "--timeout", "900"]
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/test_gpu_engine.py", "-q", "--maxfail=15",
+           "-p", "no:cacheprovider", "--timeout", "900", "-rfE"]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    tail = proc.stdout.strip().splitlines()[-15:]
+    tail = proc.stdout.strip().splitlines()[-40:]
     print("\n".join(tail))
     if proc.returncode:
         print(proc.stderr[-3000:])
