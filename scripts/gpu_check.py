@@ -76,8 +76,9 @@ def section_env(args) -> None:
 
 
 def section_kernels(args) -> None:
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/test_gpu_engine.py", "-q", "--maxfail=15",
-           "-p", "no:cacheprovider", "--timeout", "900", "-rfE"]
+    paths = os.environ.get("GPU_TESTS", "tests/kernels tests/test_gpu_engine.py").split()
+    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "--maxfail=15", "-p", "no:cacheprovider",
+           "--timeout", "900", "-rfE", "--tb=short"]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-40:]
@@ -117,45 +118,64 @@ def _prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 199998, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
+def _ref_greedy(ref, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations from the reference model, all prompts in one ragged batch per step."""
+    caches = [ref.new_cache() for _ in prompts]
+    inputs, outs = [list(p) for p in prompts], [[] for _ in prompts]
+    for _ in range(n):
+        logits = ref.forward(list(zip(inputs, caches)))
+        toks = logits.argmax(-1).tolist()
+        for out, tok in zip(outs, toks):
+            out.append(tok)
+        inputs = [[t] for t in toks]
+    return outs
+
+
+def _agree(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b))
+    tokens = sum(sum(1 for u, v in zip(x, y) if u == v) for x, y in zip(a, b))
+    first_diff = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(a, b))
+    return f"{same}/{len(a)} prompts fully ({tokens / max(1, sum(map(len, a))):.0%} of tokens, mean first diff at {first_diff / len(a):.1f})"
+
+
+def _invariants(section: str, make_engine, prompts, greedy, ref_tokens=None) -> list[list[int]]:
+    eng = make_engine()
+    before = eng.free_blocks()
+    batched = [o.token_ids for o in eng.generate(prompts, greedy)]
+    single = [eng.generate([p], greedy)[0].token_ids for p in prompts]
+    row(section, "batched == one-at-a-time", _agree(batched, single))
+    eng.runner.use_graphs = False
+    eager = [o.token_ids for o in eng.generate(prompts, greedy)]
+    eng.runner.use_graphs = True
+    row(section, "graph == eager", _agree(batched, eager))
+    follows = [p + b[:5] + q for p, b, q in zip(prompts, batched, _prompts(len(prompts), [37], seed=9))]
+    cached = eng.generate(follows, greedy)
+    fresh = make_engine().generate(follows, greedy)
+    row(section, "prefix-cached == uncached",
+        f"{_agree([o.token_ids for o in cached], [o.token_ids for o in fresh])} "
+        f"(cached tokens {sum(o.cached_prompt_tokens for o in cached)}, uncached {sum(o.cached_prompt_tokens for o in fresh)})")
+    row(section, "free blocks restored after requests", eng.free_blocks() == before)
+    if ref_tokens is not None:
+        row(section, "greedy == reference", _agree(batched, ref_tokens))
+    return batched
+
+
 def section_tiny(args) -> None:
     from gptoss_cli.runtime.api import SamplingParams
     from gptoss_cli.runtime.model_ref import ReferenceModel
     from gptoss_cli.runtime.random_checkpoint import random_weights
 
-    ref = ReferenceModel(random_weights("tiny", seed=3, device="cuda"), dtype=torch.float32)
-    eng = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=8, kv_memory_bytes=1 << 30)
     prompts = _prompts(6, [5, 64, 129, 300, 1000, 2500])
-    for p in prompts[:3]:
-        got = eng.score(p)
-        want = ref.forward([(p, ref.new_cache())], all_logits=True)
-        row("tiny", f"score len {len(p)} max/mean rel err vs fp32 ref", "%.2e / %.2e" % _rel(got, want))
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    batched = [o.token_ids for o in eng.generate(prompts, greedy)]
-    single = [eng.generate([p], greedy)[0].token_ids for p in prompts]
-    row("tiny", "batched == one-at-a-time (greedy, 6 prompts)", batched == single)
-    eng.runner.use_graphs = False
-    eager = [o.token_ids for o in eng.generate(prompts, greedy)]
-    eng.runner.use_graphs = True
-    row("tiny", "graph == eager", eager == batched)
-    refs = []
-    for p in prompts:
-        cache, ids, toks = ref.new_cache(), p, []
-        for _ in range(24):
-            t = int(ref.forward([(ids, cache)])[0].argmax())
-            toks.append(t)
-            ids = [t]
-        refs.append(toks)
-    row("tiny", "greedy == fp32 reference (prompts agreeing fully)", f"{sum(a == b for a, b in zip(batched, refs))}/6")
-    follow = prompts[3] + batched[3][:10] + _prompts(1, [40], seed=9)[0]
-    before = eng.free_blocks()
-    out = eng.generate([follow], greedy)[0]
-    eng2 = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=8, kv_memory_bytes=1 << 30)
-    fresh = eng2.generate([follow], greedy)[0]
-    row("tiny", "prefix-cached == uncached", f"{out.token_ids == fresh.token_ids} (cached {out.cached_prompt_tokens})")
-    row("tiny", "free blocks restored after requests", eng.free_blocks() == before)
-
-
-SHAPE_20B = {"name": "20b"}
+    for dtype, rdtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        ref = ReferenceModel(random_weights("tiny", seed=3, device="cuda"), dtype=rdtype)
+        make = lambda: _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=8,  # noqa: E731
+                               kv_memory_bytes=1 << 30, max_context=8192, dtype=dtype)
+        eng = make()
+        errs = [_rel(eng.score(p), ref.forward([(p, ref.new_cache())], all_logits=True)) for p in prompts[:4]]
+        row(f"tiny/{dtype[:4]}", "score max/mean rel err vs same-dtype reference",
+            "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
+        _invariants(f"tiny/{dtype[:4]}", make, prompts, greedy, _ref_greedy(ref, prompts, 24))
 
 
 def section_e20b(args) -> None:
@@ -169,48 +189,61 @@ def section_e20b(args) -> None:
     if not (path / "config.json").exists():
         write_checkpoint(path, "20b", seed=0, device="cuda")
     row("e20b", "write random 20b checkpoint", f"{time.time() - t:.0f}s")
-    eng = _engine(load_checkpoint(path, device="cuda"), max_batch=32, kv_memory_bytes=16 << 30)
-    ref = ReferenceModel(load_checkpoint(path, device="cuda"))
     lengths = [7, 33, 64, 100, 129, 200, 257, 300, 400, 511, 600, 777, 900, 1024, 1200, 1500, 1800, 2000, 2500, 3000]
     prompts = _prompts(20, lengths, seed=1)
-    errs = []
-    for p in prompts[:6]:
-        errs.append(_rel(eng.score(p), ref.forward([(p, ref.new_cache())], all_logits=True)))
-    row("e20b", "engine vs bf16 reference logits max/mean rel err (6 prompts)",
-        "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    ours = [o.token_ids for o in eng.generate(prompts, greedy)]
-    RESULTS["e20b_engine_greedy"] = ours
-    ref_out = []
-    for p in prompts:
-        cache, ids, toks = ref.new_cache(), p, []
-        for _ in range(64):
-            tok = int(ref.forward([(ids, cache)])[0].argmax())
-            toks.append(tok)
-            ids = [tok]
-        ref_out.append(toks)
-    row("e20b", "greedy 64 tok: engine == reference (prompts)", f"{sum(a == b for a, b in zip(ours, ref_out))}/20")
-    del ref
+    results = {}
+    for dtype, rdtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        sec = f"e20b/{dtype[:4]}"
+        t = time.time()
+        eng = _engine(load_checkpoint(path, device="cuda"), max_batch=32, kv_memory_bytes=12 << 30,
+                      max_context=8192, dtype=dtype)
+        ref = ReferenceModel(load_checkpoint(path, device="cuda"), dtype=rdtype)
+        row(sec, "load engine + reference", f"{time.time() - t:.0f}s")
+        errs = [_rel(eng.score(p), ref.forward([(p, ref.new_cache())], all_logits=True)) for p in prompts[:6]]
+        row(sec, "engine vs reference logits max/mean rel err (6 prompts, 7-257 tok)",
+            "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
+        ours = [o.token_ids for o in eng.generate(prompts, greedy)]
+        row(sec, "greedy 64 tok: engine == reference (20 prompts)", _agree(ours, _ref_greedy(ref, prompts, 64)))
+        results[dtype] = (eng, ours)
+        del ref
+        torch.cuda.empty_cache()
+    del results["float32"]
+    eng, ours = results["bfloat16"]
     torch.cuda.empty_cache()
     from transformers import GptOssForCausalLM
 
     t = time.time()
     hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
-    row("e20b", "transformers load (dequantised bf16)", f"{time.time() - t:.0f}s")
-    errs = []
+    row("e20b/hf", "transformers load (dequantised bf16)", f"{time.time() - t:.0f}s")
     with torch.no_grad():
-        for p in prompts[:6]:
-            want = hf(torch.tensor([p], device="cuda")).logits[0]
-            errs.append(_rel(eng.score(p), want))
-    row("e20b", "engine vs transformers logits max/mean rel err (6 prompts)",
+        errs = [_rel(eng.score(p), hf(torch.tensor([p], device="cuda")).logits[0]) for p in prompts[:6]]
+    row("e20b/hf", "bf16 engine vs transformers logits max/mean rel err",
         "%.2e / %.2e" % (max(e[0] for e in errs), sum(e[1] for e in errs) / len(errs)))
-    agree = 0
+    hf_out = []
     with torch.no_grad():
-        for p, mine in zip(prompts, ours):
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, min_new_tokens=64,
-                              do_sample=False, eos_token_id=None, pad_token_id=199999)[0, len(p):].tolist()
-            agree += out == mine
-    row("e20b", "greedy 64 tok: engine == transformers (prompts)", f"{agree}/20")
+        for p in prompts[:8]:
+            hf_out.append(hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, min_new_tokens=64,
+                                      do_sample=False, eos_token_id=None, pad_token_id=199999)[0, len(p):].tolist())
+    row("e20b/hf", "greedy 64 tok: bf16 engine == transformers (8 prompts)", _agree(ours[:8], hf_out))
+    _bench_hf("e20b/hf", hf)
+
+
+def _bench_hf(section: str, hf) -> None:
+    for b in (1, 64):
+        ids = torch.tensor(_prompts(b, [128], seed=b), device="cuda")
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=199999)
+            torch.cuda.synchronize()
+            t = time.time()
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=199999)
+            torch.cuda.synchronize()
+            t2 = time.time()
+            hf.generate(ids, max_new_tokens=18, min_new_tokens=18, do_sample=False, eos_token_id=None, pad_token_id=199999)
+            torch.cuda.synchronize()
+            t3 = time.time()
+        tok_s = b * 16 / ((t3 - t2) - (t2 - t))
+        row(section, f"transformers decode B={b} in=128", f"{tok_s:,.0f} tok/s")
 
 
 def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int, seed: int = 0) -> float:

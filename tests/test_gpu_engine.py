@@ -52,7 +52,7 @@ def test_prefill_logits_match_reference(engine, ref):
     p = _prompt(150, 1)  # crosses the 128-key window and several 16-token blocks
     got = engine.score(p)
     want = ref.forward([(p, ref.new_cache())], all_logits=True)
-    tol = 1e-2 if DEVICE == "cuda" else 1e-4  # tf32 tensor-core dots on the GPU
+    tol = 1e-3 if DEVICE == "cuda" else 1e-4  # fp32 everywhere; cuBLAS vs Triton summation order
     assert max_rel_err(got, want) <= tol
 
 

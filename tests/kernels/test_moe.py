@@ -295,6 +295,7 @@ def test_quantised_weights_round_trip(device):
     assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "quantised weights")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the interpreter path; the GPU runs the real benchmark")
 def test_benchmark_smoke(monkeypatch):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py"
     spec = importlib.util.spec_from_file_location("bench_moe_smoke", path)

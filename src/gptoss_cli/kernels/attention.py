@@ -78,14 +78,21 @@ def softmax_step(q, k, v, m, l, acc, mask, qk_scale, APPLY_MASK: tl.constexpr, D
     m starts at the (log2-scaled) sink and only grows, so a row whose keys are all masked keeps
     exp2(-inf - m) = 0 and never forms -inf - -inf.
     """
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * qk_scale
+    # fp32 operands get full-precision dots (not tf32): the fp32 path is the exactness reference.
+    if DOT_DTYPE == tl.float32:
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * qk_scale
     if APPLY_MASK:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
+    if DOT_DTYPE == tl.float32:
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
     return m_new, l, acc
 
 

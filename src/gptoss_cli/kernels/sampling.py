@@ -67,7 +67,9 @@ def uniform_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] keys -> [B, V] fp32 uniforms in (0, 1)."""
     idx = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     x = hash32(_mul32(idx, GOLDEN)[None, :] + keys[:, None])
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 1 + 0.5) is exact in fp32, so u < 1 always; with 24 bits the top value
+    # rounds to 1.0, -log(u) = 0 and the token's Gumbel score becomes +inf (seen on the H200).
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def _mass_above(p: torch.Tensor) -> torch.Tensor:
@@ -150,7 +152,7 @@ def _uniform_dev(idx, key):
     x = x ^ (x >> 15)
     x = x * tl.full([], 0x846CA68B, tl.uint32)
     x = x ^ (x >> 16)
-    return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
