@@ -314,6 +314,9 @@ def main() -> int:
             row(name, "FAILED", traceback.format_exc().strip().splitlines()[-1][:160])
             failed += 1
         print(f"== {name} done in {time.time() - t:.0f}s", flush=True)
+        import gc
+
+        gc.collect()
         torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "gpu_check.json").write_text(json.dumps({"rows": ROWS, "results": RESULTS}, indent=1, default=str))
