@@ -106,3 +106,20 @@ def test_bad_requests_raise(engine, prompt, code):
 def test_bad_sampling_values(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_unfiltered_fast_path_equals_the_twin():
+    from gptoss_cli.kernels.sampling import sample_ref
+    from gptoss_cli.runtime.cpu_engine import _sample_unfiltered
+
+    class _S:  # the fields the sampler reads
+        def __init__(self, seed, n):
+            self.seed, self.out = seed, type("O", (), {"token_ids": [0] * n})()
+
+    logits = torch.randn(5, 3001) * 3
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.5, 1.0, 1.7, 1.0)]
+    seqs = [_S(11 * i + 1, i) for i in range(5)]
+    f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    want = sample_ref(logits, f([p.temperature for p in params]), torch.zeros(5, dtype=torch.long), f([1.0] * 5),
+                      f([0.0] * 5), torch.tensor([s.seed for s in seqs]), torch.tensor([len(s.out.token_ids) for s in seqs]))
+    assert _sample_unfiltered(logits, params, seqs) == want.tolist()

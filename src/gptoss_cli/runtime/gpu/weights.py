@@ -42,14 +42,22 @@ class GpuWeights:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for t in (self.embed, self.final_norm, self.lm_head):
-            total += t.numel() * t.element_size()
-        for layer in self.layers:
-            for value in vars(layer).values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-        return total
+        """Bytes of every tensor held, packed experts included."""
+        return _tensor_bytes(self, set())
+
+
+def _tensor_bytes(obj, seen: set[int]) -> int:
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(x, seen) for x in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(v, seen) for v in vars(obj).values())
+    return 0
 
 
 def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> GpuWeights:
