@@ -50,6 +50,8 @@ class SamplingParams:
 
 @dataclass
 class RequestTimings:
+    """perf_counter seconds, stamped by the engine."""
+
     arrival: float
     first_token: float | None = None
     finished: float | None = None
@@ -63,6 +65,25 @@ class RequestOutput:
     finish_reason: str | None = None
     cached_prompt_tokens: int = 0
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.perf_counter()))
+
+
+def record_token(out: RequestOutput, token: int, params: SamplingParams, max_new: int,
+                 now: float) -> TokenEvent:
+    """Append a sampled token to `out` and build its event, deciding whether the request ends
+    (a stop token unless ignore_eos, or max_new tokens); the same rule for every engine."""
+    out.token_ids.append(token)
+    if out.timings.first_token is None:
+        out.timings.first_token = now
+    reason = None
+    if token in params.stop_token_ids and not params.ignore_eos:
+        reason = "stop"
+    elif len(out.token_ids) >= max_new:
+        reason = "length"
+    index = len(out.token_ids) - 1
+    if reason is None:
+        return TokenEvent(out.request_id, token, index, now)
+    out.finish_reason, out.timings.finished = reason, now
+    return TokenEvent(out.request_id, token, index, now, reason, out)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.sampling import row_key, sample_ref, uniform_ref
-from .api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent
+from .api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent, record_token
 from .checkpoint import ModelWeights
 from .model_ref import ReferenceModel, SequenceCache
 
@@ -190,19 +190,10 @@ class CpuEngine(Engine):
         return tokens
 
     def _emit(self, seq: _Seq, token: int) -> TokenEvent:
-        out, now = seq.out, time.perf_counter()
-        out.token_ids.append(token)
-        if out.timings.first_token is None:
-            out.timings.first_token = now
-        reason = None
-        if token in seq.params.stop_token_ids and not seq.params.ignore_eos:
-            reason = "stop"
-        elif len(out.token_ids) >= seq.max_new:
-            reason = "length"
-        if reason is None:
+        event = record_token(seq.out, token, seq.params, seq.max_new, time.perf_counter())
+        if event.finish_reason is None:
             seq.pending = [token]
-            return TokenEvent(out.request_id, token, len(out.token_ids) - 1, now)
-        out.finish_reason, out.timings.finished = reason, now
-        del self._running[out.request_id]
-        self.prefix_cache.put(out.prompt_token_ids + out.token_ids, seq.cache)
-        return TokenEvent(out.request_id, token, len(out.token_ids) - 1, now, reason, out)
+        else:
+            del self._running[seq.out.request_id]
+            self.prefix_cache.put(seq.out.prompt_token_ids + seq.out.token_ids, seq.cache)
+        return event

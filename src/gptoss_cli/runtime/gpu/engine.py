@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent
+from ..api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent, record_token
 from ..checkpoint import ModelWeights
 from ..errors import RequestError
 from .kv_cache import KvCache, plan_kv_memory
@@ -111,22 +111,11 @@ class GpuEngine(Engine):
         return events
 
     def _emit(self, seq: Sequence, token: int, now: float) -> TokenEvent:
-        out = seq.out
-        out.token_ids.append(token)
         seq.tokens.append(token)
-        if out.timings.first_token is None:
-            out.timings.first_token = now
-        reason = None
-        if token in seq.params.stop_token_ids and not seq.params.ignore_eos:
-            reason = "stop"
-        elif len(out.token_ids) >= seq.max_new:
-            reason = "length"
-        index = len(out.token_ids) - 1
-        if reason is None:
-            return TokenEvent(out.request_id, token, index, now)
-        out.finish_reason, out.timings.finished = reason, now
-        self.scheduler.finish(seq)
-        return TokenEvent(out.request_id, token, index, now, reason, out)
+        event = record_token(seq.out, token, seq.params, seq.max_new, now)
+        if event.finish_reason is not None:
+            self.scheduler.finish(seq)
+        return event
 
     # ---- introspection (tests, bench) -------------------------------------------------
     @torch.inference_mode()
