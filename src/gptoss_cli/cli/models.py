@@ -60,10 +60,10 @@ def load_model(ui: Ui, spec: str | None, **engine_options) -> LoadedModel:
     name = model_display_name(spec or os.environ.get("GPTOSS_MODEL") or DEFAULT_MODEL)
     device = default_device()
     start = time.perf_counter()
-    with _status(ui, f"loading {name} on {device}"):
+    with _status(ui, f"loading {name} on {device}") as status:
         weights = load_weights(resolved, device=device)
         tokenizer = load_tokenizer(weights)
-        engine = create_engine(weights, **engine_options)
+        engine = create_engine(weights, progress=_warmup_reporter(ui, status), **engine_options)
     seconds = time.perf_counter() - start
     if device == "cpu":
         ui.note(f"no CUDA GPU found: running {name} on the CPU reference path (slow for real checkpoints)")
@@ -79,3 +79,14 @@ def _status(ui: Ui, message: str):
     from contextlib import nullcontext
 
     return nullcontext()
+
+
+def _warmup_reporter(ui: Ui, status):
+    """progress(stage, done, total) for engine warm-up: the spinner's text on a terminal, a line
+    per stage (and at the end) otherwise."""
+    def report(stage: str, done: int, total: int) -> None:
+        if status is not None:
+            status.update(f"{stage} {done}/{total}")
+        elif done in (1, total):
+            ui.note(f"{stage} {done}/{total}")
+    return report
