@@ -123,3 +123,27 @@ def test_unfiltered_fast_path_equals_the_twin():
     want = sample_ref(logits, f([p.temperature for p in params]), torch.zeros(5, dtype=torch.long), f([1.0] * 5),
                       f([0.0] * 5), torch.tensor([s.seed for s in seqs]), torch.tensor([len(s.out.token_ids) for s in seqs]))
     assert _sample_unfiltered(logits, params, seqs) == want.tolist()
+
+
+def test_load_many_requests_each_equals_running_alone(weights):
+    """Random lengths and sampling settings, all at once through continuous batching: every
+    output equals the same request run alone (seeded, counter-based sampling is batch-free)."""
+    import random
+
+    rng = random.Random(3)
+    reqs = []
+    for i in range(40):
+        params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                                top_k=rng.choice([0, 0, 50]), seed=rng.randrange(1 << 30),
+                                max_tokens=rng.randint(1, 4), ignore_eos=True)
+        reqs.append((_prompt(rng.randint(1, 90), 100 + i), params))
+    engine = CpuEngine(weights, max_batch=16, prefill_chunk=128)
+    for prompt, params in reqs:
+        engine.add_request(prompt, params)
+    together = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.output is not None:
+                together[ev.request_id] = ev.output.token_ids
+    alone = [CpuEngine(weights).generate([p], params)[0].token_ids for p, params in reqs]
+    assert [together[f"req-{i}"] for i in range(40)] == alone

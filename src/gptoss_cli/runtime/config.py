@@ -123,8 +123,9 @@ class ModelConfig:
         if "layer_types" in known:
             known["layer_types"] = tuple(known["layer_types"])
         for key in ("eos_token_id", "pad_token_id"):
-            if isinstance(known.get(key), list):
+            if isinstance(known.get(key), list) and known[key]:
                 known[key] = known[key][0]
+        _check_types(known, rope_fields, theta)
         return cls(**known, rope_theta=float(theta), rope_scaling=RopeScaling(**rope_fields))
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -153,6 +154,25 @@ class ModelConfig:
             },
         )
         return d
+
+
+_INT_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window",
+               "max_position_embeddings", "eos_token_id", "pad_token_id", "original_max_position_embeddings"}
+_FLOAT_FIELDS = {"rms_norm_eps", "swiglu_limit", "swiglu_alpha", "factor", "beta_fast", "beta_slow"}
+
+
+def _check_types(fields: dict[str, Any], rope: dict[str, Any], theta: Any) -> None:
+    """ValueError naming the first field whose JSON type is wrong (config.json is user input)."""
+    for name, value in {**fields, **rope, "rope_theta": theta}.items():
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name in _INT_FIELDS and not (is_int and value > 0 or name.endswith("token_id") and is_int):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (name in _FLOAT_FIELDS or name == "rope_theta") and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if "layer_types" in fields and not all(isinstance(t, str) for t in fields["layer_types"]):
+        raise ValueError("layer_types must be a list of strings")
 
 
 @dataclass(frozen=True)
@@ -206,7 +226,7 @@ def load_model_config(path: Path) -> ModelConfig:
     data = read_json(path)
     try:
         return ModelConfig.from_dict(data)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
         raise CheckpointError(
             f"{path}: not a gpt-oss config ({e})",
             "point --model at a gpt-oss-20b or gpt-oss-120b checkpoint directory",
@@ -216,4 +236,11 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_generation_config(path: Path) -> GenerationConfig:
     if not path.exists():
         return GenerationConfig()
-    return GenerationConfig.from_dict(read_json(path))
+    data = read_json(path)
+    try:
+        cfg = GenerationConfig.from_dict(data)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in cfg.eos_token_id):
+            raise ValueError(f"eos_token_id must be token ids, got {data.get('eos_token_id')!r}")
+        return cfg
+    except (ValueError, TypeError, OverflowError) as e:
+        raise CheckpointError(f"{path}: invalid generation config ({e})", "download the checkpoint again")

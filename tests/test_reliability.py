@@ -1,0 +1,88 @@
+"""Bad input never crashes with a traceback: fuzzed JSONL lines and config.json files, a broken
+checkpoint through the CLI, and no pickle anywhere in the package."""
+
+import io
+import json
+import re
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cli_helpers import run_cli
+from gptoss_cli.cli.batch_input import RawLine, parse_line, read_raw_lines
+from gptoss_cli.runtime.config import ModelConfig, load_generation_config, load_model_config
+from gptoss_cli.runtime.errors import CheckpointError
+from gptoss_cli.runtime.random_checkpoint import write_checkpoint
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "gptoss_cli"
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=25)
+line_keys = st.sampled_from(["custom_id", "method", "url", "body", "messages", "prompt", "developer", "text",
+                             "role", "content", "temperature", "top_p", "max_tokens", "tools", "seed", "id"])
+line_objects = st.dictionaries(line_keys | st.text(max_size=8), json_values, max_size=6)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300) | line_objects.map(lambda o: json.dumps(o).encode()))
+def test_any_jsonl_line_becomes_a_request_or_an_error(data):
+    (raw,) = list(read_raw_lines(io.BytesIO(data.replace(b"\n", b" ") + b"\n"))) or [RawLine(1, b"", 1)]
+    line = parse_line(raw)
+    if line is not None:
+        assert (line.request is None) != (line.error is None)
+        if line.error is not None:
+            assert line.error.message and "\n" not in line.error.message
+
+
+config_keys = st.sampled_from(list(ModelConfig.__dataclass_fields__) + ["rope_parameters", "num_experts"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(config_keys, json_values, max_size=8), st.booleans())
+def test_config_loader_raises_only_checkpoint_errors(tmp_path_factory, fields, gpt_oss):
+    data = {**fields, "model_type": "gpt_oss"} if gpt_oss else fields
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(json.dumps(data))
+    try:
+        load_model_config(path)
+    except CheckpointError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(["eos_token_id", "pad_token_id", "bos_token_id", "temperature"]),
+                       json_values, max_size=4))
+def test_generation_config_loader_raises_only_checkpoint_errors(tmp_path_factory, fields):
+    path = tmp_path_factory.mktemp("gen") / "generation_config.json"
+    path.write_text(json.dumps(fields))
+    try:
+        load_generation_config(path)
+    except CheckpointError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+def test_truncated_checkpoint_through_the_cli(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "tiny", seed=1, tokenizer=False)
+    (ckpt / "tokenizer.json").write_text("{}")
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    r = run_cli(["chat", "--model", str(ckpt), "--no-history", "hi"])
+    assert r.exit_code == 4 and "Traceback" not in r.stderr
+    assert shard.name in r.stderr and "truncated" in r.stderr
+
+
+def test_not_a_gpt_oss_directory_through_the_cli(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    r = run_cli(["run", "-", "-o", str(tmp_path / "out.jsonl"), "--model", str(tmp_path)], input='{"prompt": "x"}\n')
+    assert r.exit_code == 4 and "not a gpt-oss config" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_pickle_anywhere_in_the_package():
+    pattern = re.compile(r"\bpickle\b|torch\.load\(|\.bin\b\"|from_pretrained\(")
+    offenders = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
