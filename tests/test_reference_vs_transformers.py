@@ -82,6 +82,23 @@ def test_comparison_detects_semantic_errors(ckpt, hf_model, mutation):
     assert max_rel_err(got, _hf_logits(hf_model, ids)) > 1e-3
 
 
+def test_swiglu_clamp_region_matches_transformers(tmp_path):
+    """Expert gate_up scales raised 16x so many SwiGLU inputs pass the clamp at 7."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_checkpoint(tmp_path / "hot", "tiny", seed=8, max_shard_bytes=60_000_000, tokenizer=False)
+    (d / "tokenizer.json").write_text("{}")
+    for shard in d.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith("gate_up_proj_scales")]:
+            tensors[name] = tensors[name] + 4
+        save_file(tensors, shard, metadata={"format": "pt"})
+    model = ReferenceModel(load_checkpoint(d))
+    ids = _prompt(160, seed=3)
+    hf = transformers.GptOssForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    assert max_rel_err(model.forward([(ids, model.new_cache())], all_logits=True), _hf_logits(hf, ids)) <= 1e-4
+
+
 def test_greedy_continuation_matches_transformers(ckpt, hf_model):
     ids = _prompt(333, seed=5)
     with torch.no_grad():

@@ -1,9 +1,11 @@
 """Seeded random checkpoints in the exact gpt-oss layout: random:tiny, random:20b, random:120b.
 
 Weights are drawn so that activations stay O(1) through the stack and every mechanism is
-exercised: sinks and router logits large enough to matter, SwiGLU inputs that sometimes reach
-the clamp, MXFP4 experts as random packed nibbles with per-block E8M0 scales. The output is
-meaningless text at the real model's speed. `write_checkpoint` saves one as a real checkpoint
+exercised (sinks and router logits large enough to matter, MXFP4 experts as random packed
+nibbles with per-block E8M0 scales), while the network stays well conditioned: a strong SwiGLU
+gain or a small embedding makes a random 24-layer stack amplify rounding ~1000x, so that no two
+bf16 implementations agree (docs/optimizations.md). The output is meaningless text at the real
+model's speed. `write_checkpoint` saves one as a real checkpoint
 directory (config, shards + index, tokenizer.json, generation_config.json).
 """
 
@@ -58,7 +60,7 @@ def _float_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device:
     elif name.endswith("sinks"):
         t = normal(1.5)
     elif name == "model.embed_tokens.weight":
-        t = normal(1.0)
+        t = normal(4.0)  # a residual stream dominated by the embedding damps layer-to-layer growth
     elif name.endswith("router.weight"):
         t = normal(2.0 / math.sqrt(fan_in))
     elif name.endswith("bias"):
@@ -71,10 +73,12 @@ def _float_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device:
 def _packed_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device) -> torch.Tensor:
     if name.endswith("_blocks"):
         return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
-    # Scales: weight rms ~ gain / sqrt(K), with K = 32 * blocks per row; gate_up gets a larger
-    # gain so the SwiGLU clamp at 7 is reached by a small fraction of values.
+    # Scales: weight rms ~ gain / sqrt(K), with K = 32 * blocks per row. A gate_up gain of 2.5
+    # reached the SwiGLU clamp but made the stack chaotic (bf16 vs fp32 logits 20 % apart on a
+    # 24-layer model vs 2 % at 0.625); the clamp is exercised by the kernel tests and by a
+    # dedicated transformers comparison instead.
     k = shape[-1] * 32
-    gain = 2.5 if "gate_up" in name else 1.0
+    gain = 0.625 if "gate_up" in name else 1.0
     exponent = round(math.log2(gain / (_FP4_RMS * math.sqrt(k))))
     jitter = torch.randint(-1, 2, shape, device=device, generator=g)
     return (127 + exponent + jitter).to(torch.uint8)
