@@ -86,3 +86,46 @@ def test_no_pickle_anywhere_in_the_package():
     offenders = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py")
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+def test_old_gpu_is_refused_with_a_clear_message(monkeypatch):
+    import pytest
+    import torch
+
+    from gptoss_cli.runtime.errors import HardwareError
+    from gptoss_cli.runtime.gpu.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(HardwareError, match="Tesla T4 .compute capability 7.5. is not supported") as info:
+        check_device(torch.device("cuda"))
+    assert "8.0" in info.value.hint and info.value.exit_code == 4
+
+
+def test_model_too_big_for_the_gpu_says_what_is_needed(monkeypatch):
+    import pytest
+    import torch
+
+    from gptoss_cli.runtime.errors import HardwareError
+    from gptoss_cli.runtime.gpu.preflight import check_weights_fit
+    from gptoss_cli.runtime.random_checkpoint import random_config
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    check_weights_fit(random_config("20b"), torch.device("cuda"))  # 12.8 GiB + workspace fit in 40
+    with pytest.raises(HardwareError, match=r"needs 6\d\.\d GiB .* 40\.0 of 80\.0 GiB are free"):
+        check_weights_fit(random_config("120b"), torch.device("cuda"))
+
+
+def test_kv_cache_too_small_says_which_context_fits():
+    import pytest
+
+    from gptoss_cli.runtime.errors import HardwareError
+    from gptoss_cli.runtime.gpu.kv_cache import plan_kv_memory
+    from gptoss_cli.runtime.random_checkpoint import random_config
+
+    cfg = random_config("20b")
+    plan = plan_kv_memory(cfg, 8 * 2**30, 64, 131072, 64, 8192)
+    assert plan.full_blocks > 131072 // 64
+    with pytest.raises(HardwareError) as info:
+        plan_kv_memory(cfg, 2 * 2**30, 64, 131072, 64, 8192)
+    assert "131072 requested" in str(info.value) and "--context" in info.value.hint
