@@ -14,6 +14,7 @@ import pytest
 
 from cli_helpers import run_cli
 from gptoss_cli.runtime import benchmark as bm
+from gptoss_cli.runtime import machine
 from gptoss_cli.runtime.api import Engine, RequestOutput, RequestTimings
 from gptoss_cli.runtime.errors import RequestError
 from gptoss_cli.runtime.random_checkpoint import random_config
@@ -268,14 +269,14 @@ def test_answer_stats(tokenizer):
 
 
 def test_copy_bandwidth_and_memory():
-    bandwidth = bm.measure_copy_bandwidth("cpu", nbytes=1 << 23, runs=3)
+    bandwidth = machine.measure_copy_bandwidth("cpu", nbytes=1 << 23, runs=3)
     assert math.isfinite(bandwidth) and 1e7 < bandwidth < 1e13
-    memory, kind = bm.peak_memory()
+    memory, kind = machine.peak_memory()
     assert kind in ("gpu", "host") and memory > 0
 
 
 def test_environment_info():
-    env = bm.environment_info("random:tiny", 5, effort="low")
+    env = machine.environment_info("random:tiny", 5, effort="low")
     for key in ("gpu", "driver", "cuda", "torch", "triton", "gptoss", "python", "model", "seed", "date"):
         assert key in env
     assert (env["model"], env["seed"], env["effort"]) == ("random:tiny", 5, "low")
@@ -297,7 +298,7 @@ def fake_model(monkeypatch):
         return models.LoadedModel(spec or "20b", seen["engine"], seen.get("tokenizer"), 0.0)
 
     monkeypatch.setattr(models, "load_model", load)
-    monkeypatch.setattr(bm, "measure_copy_bandwidth", lambda *a, **k: 2e12)
+    monkeypatch.setattr(machine, "measure_copy_bandwidth", lambda *a, **k: 2e12)
     return seen
 
 

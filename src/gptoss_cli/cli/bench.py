@@ -137,7 +137,8 @@ def _read_prompts(path: Path | None) -> list[dict] | None:
 
 def _run(ui: Ui, spec: str | None, config, records: list[dict] | None, effort: str) -> dict[str, Any]:
     """Load, run, measure the copy bandwidth; the JSON-ready report."""
-    from ..runtime.benchmark import environment_info, render_prompt_records, run_benchmark
+    from ..runtime.benchmark import render_prompt_records, run_benchmark
+    from ..runtime.machine import environment_info
     from ..runtime.loading import default_device
     from .models import load_model
 
@@ -165,7 +166,7 @@ def _run(ui: Ui, spec: str | None, config, records: list[dict] | None, effort: s
 
 
 def _copy_bandwidth(ui: Ui) -> float:
-    from ..runtime.benchmark import measure_copy_bandwidth
+    from ..runtime.machine import measure_copy_bandwidth
 
     ui.note("measuring copy bandwidth …")
     return measure_copy_bandwidth()
