@@ -17,10 +17,10 @@ from rich.console import Console
 from cli_helpers import run_cli
 from gptoss_cli.cli import models as cli_models
 from gptoss_cli.cli.chat_render import ChatRenderer, stats_line
+from gptoss_cli.cli.chat_store import ChatStore
 from gptoss_cli.cli.chat_session import (
     ChatSession,
     ChatSettings,
-    ChatStore,
     RawToken,
     TurnDone,
     TurnStats,
@@ -479,7 +479,7 @@ def test_repl_interrupted_turn_then_retry(tok):
 
 
 def test_repl_history_file_is_private(tok, tmp_path):
-    from gptoss_cli.cli.chat_session import history_path
+    from gptoss_cli.cli.chat_store import history_path
 
     session, _ = make_session(tok, [reply(tok, None, "ok")])
     path = history_path()

@@ -79,7 +79,8 @@ def chat(
     · [bold]cat notes.txt | gptoss chat "sum up"[/] (stdin goes first). In the chat, /help lists the commands.
     """
     from .chat_render import ChatRenderer
-    from .chat_session import ChatSession, ChatSettings, ChatStore, history_disabled, history_path
+    from .chat_session import ChatSession, ChatSettings
+    from .chat_store import ChatStore, history_disabled, history_path
     from .models import load_model
 
     ui = ctx.obj

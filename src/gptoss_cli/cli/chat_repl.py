@@ -24,15 +24,8 @@ from prompt_toolkit.output import ColorDepth
 from ..runtime.errors import GptossError
 from . import errors
 from .chat_render import ChatRenderer, context_text, model_text, settings_text, toolbar_text
-from .chat_session import (
-    REASONING_MODES,
-    SETTABLE,
-    ChatSession,
-    ChatStore,
-    check_choice,
-    make_private_dir,
-    touch_private,
-)
+from .chat_session import REASONING_MODES, SETTABLE, ChatSession, check_choice
+from .chat_store import ChatStore, make_private_dir, touch_private
 from .console import Ui
 
 BLOCK = '"""'
