@@ -128,14 +128,26 @@ def _setup(case: Case, device: str) -> _Setup:
     )  # fmt: skip
 
 
-def _kernels(st: _Setup, variant: str):
+VARIANTS = {  # MoeConfig switches on top of pick_config's choice
+    "default": {},  # decode: packed-bf16 (inline asm) dequantisation; prefill: fp32 dequantisation
+    "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
+    "dot_scaled": {"use_dot_scaled": True},
+}
+
+
+def _variant_config(base, variant: str | dict):
+    """pick_config's choice with a named variant's switches (or explicit fields) applied."""
+    return dataclasses.replace(base, **(VARIANTS[variant] if isinstance(variant, str) else variant))
+
+
+def _kernels(st: _Setup, variant):
     """(kernel, config, fn, layers per call, bytes, flops) for the matmul-based kernels of one variant."""
     from gptoss_cli.kernels.moe import moe_forward, pick_config
     from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2
 
     case, r, ws = st.case, st.routing, st.weights
     base = pick_config(case.tokens, case.experts, case.top_k)
-    cfg = dataclasses.replace(base, use_dot_scaled=variant == "dot_scaled")
+    cfg = _variant_config(base, variant)
     slots, c, i, layers = case.tokens * case.top_k, case.hidden, case.inter, len(ws)
     w1_bytes, w2_bytes = (st.touched * b for b in _expert_bytes(case))
     x_bytes, act_bytes = case.tokens * c * 2, slots * i * 2
@@ -163,7 +175,7 @@ def _kernels(st: _Setup, variant: str):
 def _measure(case: Case, kernel: str, variant: str, cfg, fn, layers: int, nbytes: float, flops: float, device: str):
     try:
         return _row(case, kernel, variant, cfg.regime, _time_ms(fn, device) / layers, nbytes, flops)
-    except Exception as exc:  # report and go on: one failing variant must not hide the others
+    except Exception as exc:  # noqa: BLE001 - report and go on: one failing variant must not hide the others
         return {**_row(case, kernel, variant, cfg.regime, math.nan, nbytes, flops), "error": repr(exc)[:200]}
 
 
@@ -190,9 +202,27 @@ def _bench_case(case: Case, device: str, variants: list[str]) -> list[dict]:
     return rows
 
 
+def sweep(device: str = "cuda", smoke: bool = False) -> list[dict]:
+    """20b decode cases (T = 1, 64): gemm1 and gemm2 over a grid of tile settings."""
+    rows = []
+    grid = [
+        {"block_n1": n, "block_n2": n, "block_k": k, "num_warps": warps, "num_stages": 1 if smoke else 3}
+        for n in (16, 32, 64) for k in (64, 128, 256) for warps in (4, 8)
+    ]  # fmt: skip
+    for case in SMOKE_CASES if smoke else [c for c in CASES if c.model == "20b" and c.tokens <= 64]:
+        st = _setup(case, device)
+        for fields in grid:
+            label = "n{block_n1} k{block_k} w{num_warps} s{num_stages}".format(**fields)
+            for name, *rest in _kernels(st, fields)[:2]:
+                rows.append(_measure(case, name, label, *rest, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (case, kernel, variant); see _row for the fields. `smoke`: tiny shapes."""
-    variants = ["dequant"] if device == "cpu" else ["dequant", "dot_scaled"]
+    variants = ["fp32deq"] if device == "cpu" else list(VARIANTS)
     rows = []
     for case in SMOKE_CASES if smoke else CASES:
         rows += _bench_case(case, device, variants)
@@ -202,15 +232,16 @@ def bench(device: str = "cuda", smoke: bool = False) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
+    width = max([11] + [len(r["variant"]) + 1 for r in rows])
     head = (
-        f"{'model':>5} {'T':>5} {'kernel':<13}{'variant':<11}{'regime':<8}{'time':>10} {'MB':>9} {'GFLOP':>9} "
+        f"{'model':>5} {'T':>5} {'kernel':<13}{'variant':<{width}}{'regime':<8}{'time':>10} {'MB':>9} {'GFLOP':>9} "
         f"{'TB/s':>7} {'%bw':>5} {'TFLOP/s':>8} {'%mma':>5}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         line = (
-            f"{r['model']:>5} {r['tokens']:>5} {r['kernel']:<13}{r['variant']:<11}{r['regime']:<8}"
+            f"{r['model']:>5} {r['tokens']:>5} {r['kernel']:<13}{r['variant']:<{width}}{r['regime']:<8}"
             f"{r['ms'] * 1e3:>8.1f}us {r['bytes'] / 1e6:>9.2f} {r['flops'] / 1e9:>9.2f} "
             f"{r['tbps']:>7.2f} {r['pct_bw']:>5.0f} {r['tflops']:>8.1f} {r['pct_mma']:>5.0f}"
         )
@@ -222,12 +253,17 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also sweep group-dot tile settings at decode")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported (inside bench)
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --smoke for the CPU code path")
-    print_table(bench("cpu" if args.smoke else "cuda", smoke=args.smoke))
+    device = "cpu" if args.smoke else "cuda"
+    print_table(bench(device, smoke=args.smoke))
+    if args.sweep:
+        print()
+        print_table(sweep(device, smoke=args.smoke))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Sections (default: all, in this order):
   kernels   the kernel tests (tests/kernels) on the GPU at real shapes
   kbench    kernel benchmarks (benchmarks/bench_*.py)
   tiny      GPU engine vs reference model on random:tiny (graph vs eager, batched vs single, prefix)
+  load      1,000 random requests on random:tiny: each equals the same request alone; no KV leak
   e20b      random gpt-oss-20b written to disk: engine vs reference vs transformers, greedy agreement
   bench20b  engine decode/prefill benchmarks on random:20b (+ transformers side by side)
   e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
@@ -178,6 +179,35 @@ def section_tiny(args) -> None:
         _invariants(f"tiny/{dtype[:4]}", make, prompts, greedy, _ref_greedy(ref, prompts, 24))
 
 
+def section_load(args) -> None:
+    """1,000 random requests (lengths, sampling) arriving while others run; each output must equal
+    the same request run alone, and the KV free-block count must come back (tests/engine_load.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from engine_load import run_load_check
+
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    # 64 MiB of fp32 KV = 702 16-token full-layer blocks, fewer than 64 long requests need: preemptions too
+    eng = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=64, max_step_tokens=512,
+                  block_size=16, kv_memory_bytes=64 << 20, max_context=1024, dtype="float32")
+    r = run_load_check(eng, num_requests=1000, seed=0, max_prompt=600, max_new=32)
+    print(r.summary())
+    RESULTS["load"] = r.summary()
+
+    def diffs(ms):
+        return "".join(f"; #{m.index} at {m.position} gap {m.gap}" for m in ms[:4])
+
+    row("load", "requests", f"{r.requests} ({r.greedy} greedy, {r.sampled} sampled): {r.generated_tokens} tokens, "
+        f"{r.steps} steps, {r.mixed_steps} mixed, {r.preemptions} preemptions, {r.cached_prompt_tokens} cached")
+    row("load", "greedy mismatches vs alone", f"{len(r.greedy_mismatches)}/{r.greedy_compared}{diffs(r.greedy_mismatches)}")
+    row("load", "sampled mismatches vs alone",
+        f"{len(r.sampled_mismatches)}/{r.sampled_compared}{diffs(r.sampled_mismatches)}")
+    row("load", "errors (lengths, events)", f"{len(r.errors)} {r.errors[:2]}")
+    row("load", "free blocks before / after load / after alone",
+        f"{r.free_blocks_before} / {r.free_blocks_after_load} / {r.free_blocks_after} restored={r.blocks_restored}")
+    row("load", "wall time", f"{r.wall_seconds:.0f}s (load {r.load_seconds:.1f}s, alone runs {r.alone_seconds:.1f}s)")
+
+
 def section_e20b(args) -> None:
     from gptoss_cli.runtime.api import SamplingParams
     from gptoss_cli.runtime.checkpoint import load_checkpoint
@@ -253,7 +283,7 @@ def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int
     prompts = _prompts(batch, [input_len], seed=seed + batch)
     for p in prompts:
         eng.add_request(p, params)
-    first, times = None, []
+    times = []
     while eng.has_unfinished():
         events = eng.step()
         if events and all(e.index > 0 for e in events) and len(events) == batch:
@@ -282,6 +312,63 @@ def section_bench20b(args) -> None:
         _bench_engine("bench20b", eng, b, 128, 256)
     _ttft("bench20b", eng, 4096)
     _bench_engine("bench20b", eng, 1, 32768, 128)
+    del eng
+    _release()
+    _long_prompt("bench20b", random_weights("20b", device="cuda"), 131072 - 64)
+    # The engines above must be gone first: a new engine sizes its KV cache from the free memory
+    # (session 2's 256-request run may have been starved by an uncollected 131k engine).
+    _release()
+    _throughput("bench20b", random_weights("20b", device="cuda"), 256, 1024, 1024)
+
+
+def _release() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _long_prompt(section: str, weights, length: int) -> None:
+    """A prompt near the 131,072-token context: prefill in chunks, then a few decode steps."""
+    from gptoss_cli.runtime.api import SamplingParams
+
+    eng = _engine(weights, max_batch=4, max_context=131072)
+    t = time.time()
+    out = eng.generate(_prompts(1, [length], seed=7), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    tm = out.timings
+    row(section, f"{length}-token prompt + 16 tokens",
+        f"{len(out.token_ids)} tokens, TTFT {tm.first_token - tm.arrival:.1f} s "
+        f"({length / (tm.first_token - tm.arrival):,.0f} prompt tok/s), total {time.time() - t:.1f} s")
+
+
+def _throughput(section: str, weights, requests: int, input_len: int, output_len: int) -> None:
+    """All requests submitted at once; output tokens per second of wall time, prefill included,
+    and the decode phase alone (after every request has its first token)."""
+    from gptoss_cli.runtime.api import SamplingParams
+
+    eng = _engine(weights, max_batch=requests, max_context=input_len + output_len + 64)
+    full_blocks, _ = eng.free_blocks()
+    row(section, "KV capacity for the throughput run",
+        f"{full_blocks * eng.options.block_size:,} tokens ({requests * (input_len + output_len):,} needed)")
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=1)
+    eng.generate(_prompts(8, [input_len], seed=3), SamplingParams(temperature=0, max_tokens=4))  # warm shapes
+    for p in _prompts(requests, [input_len], seed=11):
+        eng.add_request(p, params)
+    t0, steps, tokens, started, prefill_end, tokens_at_end = time.time(), 0, 0, set(), None, 0
+    while eng.has_unfinished():
+        events = eng.step()
+        steps += 1
+        tokens += len(events)
+        started.update(e.request_id for e in events)
+        if prefill_end is None and len(started) == requests:
+            prefill_end, tokens_at_end, steps_at_end = time.time(), tokens, steps
+    wall = time.time() - t0
+    decode_s = time.time() - prefill_end
+    row(section, f"{requests} requests {input_len} in / {output_len} out",
+        f"{tokens / wall:,.0f} output tok/s ({tokens} tokens in {wall:.1f} s); all started after "
+        f"{prefill_end - t0:.1f} s / {steps_at_end} steps, then {(tokens - tokens_at_end) / decode_s:,.0f} tok/s "
+        f"({(steps - steps_at_end)} steps, {1e3 * decode_s / max(1, steps - steps_at_end):.1f} ms/step); "
+        f"preemptions {eng.scheduler.num_preemptions}")
 
 
 def section_e120b(args) -> None:
@@ -296,6 +383,7 @@ def section_e120b(args) -> None:
 
 
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
+            "load": section_load,
             "e20b": section_e20b, "bench20b": section_bench20b, "e120b": section_e120b}
 
 

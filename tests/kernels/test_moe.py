@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import assert_close, rel_err
 
+from gptoss_cli.kernels import moe_routing
 from gptoss_cli.kernels.moe import (
     MoeConfig,
     MoeWorkspace,
@@ -28,7 +29,6 @@ from gptoss_cli.kernels.moe_matmul import (
     moe_gemm2,
     moe_gemm2_ref,
 )
-from gptoss_cli.kernels import moe_routing
 from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
 from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -275,7 +275,8 @@ def test_forward_with_no_tokens(device):
 
 
 def test_pick_config_regimes():
-    assert pick_config(1, 32, 4).regime == "decode"
+    assert pick_config(1, 32, 4).regime == "decode" and pick_config(1, 32, 4).asm_dequant
+    assert not pick_config(4096, 32, 4).asm_dequant  # Triton's wgmma path rejects the asm operand
     assert pick_config(64, 128, 4).regime == "decode"
     small, large = pick_config(512, 32, 4), pick_config(4096, 32, 4)
     assert small.regime == large.regime == "prefill"
@@ -312,18 +313,33 @@ def test_benchmark_smoke(monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("use_dot_scaled", [False, True], ids=["dequant", "dot_scaled"])
-@pytest.mark.parametrize("tokens", [1, 512])
-def test_real_shapes_bf16(tokens, use_dot_scaled):
+@pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True}],
+                         ids=["default", "fp32deq", "dot_scaled"])
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_real_shapes_bf16(tokens, variant):
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
     rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
-    config = dataclasses.replace(pick_config(tokens, experts, top_k), use_dot_scaled=use_dot_scaled)
+    config = dataclasses.replace(pick_config(tokens, experts, top_k), **variant)
     got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, config=config)
     want = moe_ref(x, rw, rb, *raw, top_k)
     assert rel_err(got, want) < 1e-2
+
+
+@requires_gpu
+@pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE], ids=["asm", "fp32deq"])
+def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
+    # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
+    inter, hidden = 128, 192
+    b1, s1, c1, b2, s2, c2 = _raw_weights(1, hidden, inter, "cuda")
+    s2 = torch.randint(1, 241, s2.shape, dtype=torch.uint8, device="cuda")
+    w = prepare_moe_weights(b1, s1, c1, b2, s2, torch.zeros_like(c2))
+    r = route(torch.zeros(inter, 1, device="cuda"), 1, config.block_m)
+    act = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
+    y = moe_gemm2(act, r, w, config)
+    assert torch.equal(y, dequantize_mxfp4(b2[0], s2[0]).T.contiguous())
 
 
 @requires_gpu

@@ -59,6 +59,8 @@ class MoeConfig:
     num_stages: int = 3
     use_dot_scaled: bool = False  # GPU only: tl.dot_scaled on the packed bytes (ignored by the interpreter)
     fast_math: bool = False  # tl.dot_scaled's fast_math
+    # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
+    asm_dequant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -73,9 +75,15 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
-        # 20b at T=1: 4 experts x 2880/32 column blocks = 360 programs per matmul.
-        return MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=128, num_warps=4, num_stages=4)
+        # Tile sweep on the H200 (docs/optimizations.md): with about one row per expert (T=1:
+        # 4 experts x 2880/32 column blocks = 360 programs) narrow 32-column blocks keep enough
+        # programs in flight; from ~4 rows per expert wider blocks amortise the dequantisation.
+        if per_expert < 4:
+            return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True)
+        return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True)
     block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
+    # No asm_dequant: Triton 3.6 rejects the inline-asm operand in its wgmma (M >= 64) pipeline
+    # ("Illegal shared layout", H200, 2026-11-30).
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8 if block_m >= 64 else 4, num_stages=3,
@@ -168,10 +176,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype) -> str:
-    """tl.dot_scaled's name for the activation type, or "" where the portable path must run."""
-    if not config.use_dot_scaled or _interpreting():
+    """The A_FORMAT of _mx_dot: tl.dot_scaled's name for the activation type, "asm" for the packed
+    bf16 dequantisation, or "" where the portable path must run (interpreter, fp32, fp16)."""
+    if _interpreting():
         return ""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+    if config.use_dot_scaled:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+    return "asm" if config.asm_dequant and dtype == torch.bfloat16 else ""
 
 
 @triton.jit
@@ -205,13 +216,57 @@ def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(mag * scale[:, :, None], (BLOCK_N, BLOCK_K))
 
 
+# Four packed bytes (eight FP4 values) per instance, $4; their four bf16 scales in $5, $6 (two per
+# register). Bytes are spread into 16-bit lanes (prmt), each nibble moved to bf16 bits s -> 15,
+# e1 e0 m -> 8..6, which reads as FP4 * 2**-126 (e = 0 lands on bf16 subnormals), then two exact
+# packed multiplies: by 2**126 and by the scale. Out: low nibbles in $0, $1, high nibbles in $2, $3.
+_FP4_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 t<2>, x, y, c, z, zero;
+mov.b32 c, 0x7E807E80;
+mov.b32 z, 0x80008000;
+mov.b32 zero, 0;
+prmt.b32 t0, $4, zero, 0x4140;
+prmt.b32 t1, $4, zero, 0x4342;
+shl.b32 x, t0, 6;  shl.b32 y, t0, 12; and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $0, x, $5, z;
+shl.b32 x, t1, 6;  shl.b32 y, t1, 12; and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $1, x, $6, z;
+shl.b32 x, t0, 2;  shl.b32 y, t0, 8;  and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $2, x, $5, z;
+shl.b32 x, t1, 2;  shl.b32 y, t1, 8;  and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $3, x, $6, z;
+}
+""")
+
+
+@triton.jit
+def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GPU-only twin of _dequant_mxfp4 with bf16 out and no fp32 round trip: the decode kernels'
+    SASS loop bodies shrink by about a third (docs/optimizations.md), and decode time is spent on
+    these instructions more than on bytes. Exact like it: the E8M0 byte shifted into a bf16
+    exponent is 2**(s - 127) for 1 <= s <= 254. tests/kernels/test_mxfp4_asm.py runs the PTX text
+    through an instruction-level emulator on the CPU; the H200 test checks the hardware."""
+    scale = (scl.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+    scale = tl.broadcast_to(scale[:, :, None], blk.shape)
+    lo, hi = tl.inline_asm_elementwise(
+        _FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [blk, scale],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+    return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K))
+
+
 @triton.jit
 def _mx_dot(
     acc, a, blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
 ):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T; A_FORMAT "" = dequantise by hand."""
-    if A_FORMAT == "":
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T; A_FORMAT "" = dequantise by hand in
+    fp32, "asm" = by hand in packed bf16, otherwise tl.dot_scaled's name for the activation type."""
+    if A_FORMAT == "asm":
+        w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K)
+        acc = tl.dot(a.to(tl.bfloat16), tl.trans(w), acc)
+    elif A_FORMAT == "":
         w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:

@@ -62,21 +62,24 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         self._step += 1
         self._admit()
-        chunks, budget = [], self.max_step_tokens
-        for seq in list(self.running):
+        # Decodes first: they need one token each and max_step_tokens >= max_batch, so they always
+        # fit; prefill chunks share what is left. (Planning prefills first let a step exceed the
+        # budget, and the forward's fixed-size workspaces with it: the H200 load check, 2026-11-30.)
+        order = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
+        planned: list[tuple[Sequence, int]] = []
+        budget = self.max_step_tokens
+        for seq in order:
             if seq.status is not Status.RUNNING:
                 continue  # preempted while planning an earlier sequence
-            n = seq.num_pending if seq.num_pending == 1 else min(seq.num_pending, budget)
-            if n <= 0:
-                continue
-            if not self._make_room(seq, n):
+            n = min(seq.num_pending, budget)
+            if n <= 0 or not self._make_room(seq, n, planned):
                 continue
             self.kv.reserve(seq, n)
-            chunks.append((seq, n))
+            planned.append((seq, n))
             budget -= n
-        if not chunks:
+        if not planned:
             return None
-        return StepPlan(chunks, all(n == 1 and seq.num_pending == 1 for seq, n in chunks))
+        return StepPlan(planned, all(n == 1 and seq.num_pending == 1 for seq, n in planned))
 
     def _admit(self) -> None:
         while self.waiting and self._free_rows and len(self.running) < self.max_batch:
@@ -94,12 +97,13 @@ class Scheduler:
             seq.status, seq.admitted_at = Status.RUNNING, self._step
             self.running.append(seq)
 
-    def _make_room(self, seq: Sequence, n: int) -> bool:
-        """Preempt later-admitted sequences until seq's next n tokens fit; False if seq itself went."""
+    def _make_room(self, seq: Sequence, n: int, planned: list[tuple[Sequence, int]]) -> bool:
+        """Preempt the newest sequences until seq's next n tokens fit; False if seq itself went.
+        A victim already planned this step leaves `planned` (its reservation went with its blocks)."""
         while not self.kv.can_run(self.kv.step_cost(seq, n)):
-            # Planning goes in admission order, so the newest sequence is never already planned.
             victim = self.running[-1]
             self._preempt(victim)
+            planned[:] = [c for c in planned if c[0] is not victim]
             if victim is seq:
                 return False
         return True
