@@ -8,6 +8,7 @@ Sections (default: all, in this order):
   kbench    kernel benchmarks (benchmarks/bench_*.py)
   tiny      GPU engine vs reference model on random:tiny (graph vs eager, batched vs single, prefix)
   load      1,000 random requests on random:tiny: each equals the same request alone; no KV leak
+  profile   one decode step broken down by kernel family (scripts/profile_decode.py)
   e20b      random gpt-oss-20b written to disk: engine vs reference vs transformers, greedy agreement
   bench20b  engine decode/prefill benchmarks on random:20b (+ transformers side by side)
   e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
@@ -371,6 +372,17 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
         f"preemptions {eng.scheduler.num_preemptions}")
 
 
+def section_profile(args) -> None:
+    """Decode step broken down by kernel family (scripts/profile_decode.py), 20b at batch 1 and 64."""
+    t = time.time()
+    proc = subprocess.run([sys.executable, "scripts/profile_decode.py"], capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "src")})
+    print(proc.stdout[-6000:])
+    if proc.returncode:
+        print(proc.stderr[-3000:])
+    row("profile", "profile_decode.py (20b, B=1 and 64)", f"rc={proc.returncode} {time.time() - t:.0f}s")
+
+
 def section_e120b(args) -> None:
     from gptoss_cli.runtime.random_checkpoint import random_weights
 
@@ -383,7 +395,7 @@ def section_e120b(args) -> None:
 
 
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
-            "load": section_load,
+            "load": section_load, "profile": section_profile,
             "e20b": section_e20b, "bench20b": section_bench20b, "e120b": section_e120b}
 
 

@@ -201,6 +201,31 @@ def test_stages_match_twins(device, config, tokens, experts, hidden, inter, top_
     assert_close(out.float(), moe_combine_ref(y, top_k, dtype).float(), combine_tol, "combine")
 
 
+@pytest.mark.parametrize("split_k", [2, 3])  # 3 with K = 96 and 64-wide K steps leaves one split empty
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
+                         [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])
+def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, top_k, dtype):
+    config = dataclasses.replace(DECODE, split_k=split_k)
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    limit, alpha = 3.0, 1.702
+    act = moe_gemm1_swiglu(x, r, w, limit, alpha, config)
+    assert_close(act.float(), moe_gemm1_swiglu_ref(x, r, w, limit, alpha).float(), _tol(dtype, device), "gemm1")
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    y = moe_gemm2(want_act, r, w, config)
+    slots = tokens * top_k
+    assert y.shape == (split_k * slots, hidden)
+    assert_close(y.view(split_k, slots, hidden).sum(0), moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemm2")
+    out = moe_combine(y, top_k, dtype, splits=split_k)
+    combine_tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of a differently ordered sum
+    assert_close(out.float(), moe_combine_ref(y, top_k, dtype, splits=split_k).float(), combine_tol, "combine")
+    rw, rb = torch.randn(experts, hidden, device=device).to(dtype), torch.randn(experts, device=device).to(dtype)
+    got = moe_forward(x, rw, rb, w, top_k, limit=limit, config=config)
+    plain = moe_forward(x, rw, rb, w, top_k, limit=limit, config=DECODE)
+    assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
+
+
 def test_dequantisation_is_exact_over_the_scale_range(device):
     # One expert, one token, identity-like activations: gemm2 returns weight columns exactly.
     inter, hidden = 64, 64

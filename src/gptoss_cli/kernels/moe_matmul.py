@@ -61,6 +61,10 @@ class MoeConfig:
     fast_math: bool = False  # tl.dot_scaled's fast_math
     # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
     asm_dequant: bool = False
+    # Decode experiment (default 1 = off): cut K into split_k chunks, each its own program, for
+    # more loads in flight at T=1; partial sums are finished by _swiglu_splits_kernel (gemm1)
+    # and by the combine (gemm2). Not yet measured on the H200.
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -69,6 +73,8 @@ class MoeConfig:
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
         if self.block_k < VALUES_PER_BLOCK:
             raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
+        if self.split_k < 1:
+            raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
@@ -197,6 +203,16 @@ def _tile_coords(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(first K index, length) of this program's K chunk (axis 1 of the grid), whole BLOCK_K steps."""
+    if SPLIT_K == 1:
+        return 0, K
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
+    return k_lo, tl.maximum(tl.minimum(chunk, K - k_lo), 0)
+
+
+@triton.jit
 def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M: tl.constexpr):
     """Sorted rows of a tile and which of them belong to its expert."""
     rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -316,11 +332,11 @@ def _mx_matmul(
 @triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    act_ptr, stride_at, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
-    num_tiles, hidden, inter, limit, alpha,
+    act_ptr, stride_at, part_ptr, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
+    num_tiles, num_rows, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr,
+    FAST_MATH: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -328,29 +344,56 @@ def _gemm1_swiglu_kernel(
         return
     rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
-    a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+    k_lo, k_len = _k_range(hidden, SPLIT_K, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k_lo + tl.arange(0, BLOCK_K)[None, :]
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
     wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
-        wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
+        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
+        wrows, wrows < 2 * inter, k_len, stride_wn, stride_sg,
         BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
     )  # fmt: skip
-    acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT_K > 1:  # raw partial sums [SPLIT_K, S, 2I]; _swiglu_splits_kernel finishes them
+        part = part_ptr + (tl.program_id(1) * num_rows + rows[:, None]).to(tl.int64) * (2 * inter) + wrows[None, :]
+        tl.store(part, acc, mask=row_ok[:, None] & (wrows < 2 * inter)[None, :])
+    else:
+        acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = _swiglu(gate, up, limit, alpha)
+        act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+        tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
+def _swiglu_splits_kernel(
+    part_ptr, bias_ptr, act_ptr, stride_at, sorted_slots_ptr, topk_ids_ptr, num_rows, inter, limit, alpha,
+    SPLIT_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """act[r] = swiglu(sum over splits of part[s, r] + b1[expert of r]) for one sorted row r."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < inter
+    expert = tl.load(topk_ids_ptr + tl.load(sorted_slots_ptr + r)).to(tl.int64)
+    gate = tl.load(bias_ptr + expert * (2 * inter) + 2 * cols, mask=ok, other=0.0)
+    up = tl.load(bias_ptr + expert * (2 * inter) + 2 * cols + 1, mask=ok, other=0.0)
+    for split in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        row = part_ptr + (split * num_rows + r).to(tl.int64) * (2 * inter)
+        gate += tl.load(row + 2 * cols, mask=ok, other=0.0)
+        up += tl.load(row + 2 * cols + 1, mask=ok, other=0.0)
     out = _swiglu(gate, up, limit, alpha)
-    act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
-    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
+    tl.store(act_ptr + r.to(tl.int64) * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _gemm2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
-    num_tiles, hidden, inter,
+    num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -359,31 +402,38 @@ def _gemm2_kernel(
     rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + tl.arange(0, BLOCK_K)[None, :]
+    k_lo, k_len = _k_range(inter, SPLIT_K, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + k_lo + tl.arange(0, BLOCK_K)[None, :]
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
-        cols, col_ok, inter, stride_wn, stride_sg,
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
+        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
+        cols, col_ok, k_len, stride_wn, stride_sg,
         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
-    # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
-    y = (acc + tl.load(bias_ptr + expert * hidden + cols, mask=col_ok, other=0.0)[None, :]) * gamma[:, None]
-    y_ptrs = y_ptr + slots[:, None].to(tl.int64) * stride_yt + cols[None, :]
+    # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
+    bias = tl.load(bias_ptr + expert * hidden + cols, mask=col_ok & (tl.program_id(1) == 0), other=0.0)
+    y = (acc + bias[None, :]) * gamma[:, None]
+    # With SPLIT_K > 1, y holds SPLIT_K slabs of [S, C]: moe_combine sums them.
+    y_ptrs = y_ptr + (tl.program_id(1) * num_rows + slots[:, None]).to(tl.int64) * stride_yt + cols[None, :]
     tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr
+    y_ptr, out_ptr, num_tokens, hidden, TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (tokens < num_tokens)[:, None] & (cols < hidden)[None, :]
     y_ptrs = y_ptr + tokens[:, None].to(tl.int64) * (TOP_K * hidden) + cols[None, :]  # slot t*K + 0
+    slab = num_tokens.to(tl.int64) * TOP_K * hidden
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):  # fixed order: the sum is deterministic
-        acc += tl.load(y_ptrs + k * hidden, mask=ok, other=0.0)
+    for s in tl.static_range(SPLITS):  # fixed order: the sum is deterministic
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptrs + s * slab + k * hidden, mask=ok, other=0.0)
     out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * hidden + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -424,53 +474,67 @@ def moe_gemm1_swiglu(
     act = _out_buffer(out, (slots, w.intermediate), x.dtype, x)
     if routing.max_tiles == 0:
         return act
-    _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1)](
+    split = config.split_k
+    part = act if split == 1 else torch.empty((split, slots, 2 * w.intermediate), dtype=torch.float32, device=x.device)
+    grid = (_grid(routing, w.intermediate, config.block_n1)[0], split)
+    _gemm1_swiglu_kernel[grid](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
-        act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
-        routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
+        act, act.stride(0), part, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
+        routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype),
-        FAST_MATH=config.fast_math, num_warps=config.num_warps, num_stages=config.num_stages,
+        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math, SPLIT_K=split,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if split > 1:
+        block_c = min(1024, triton.next_power_of_2(w.intermediate))
+        _swiglu_splits_kernel[(slots, triton.cdiv(w.intermediate, block_c))](
+            part, w.w1_bias, act, act.stride(0), routing.sorted_slots, routing.topk_ids, slots, w.intermediate,
+            float(limit), float(alpha), SPLIT_K=split, BLOCK_C=block_c,
+        )  # fmt: skip
     return act
 
 
 def moe_gemm2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
+    """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights.
+    With config.split_k = P > 1: y [P*S, C], P slabs of partial sums (moe_combine(splits=P) adds them)."""
     slots = routing.num_tokens * routing.top_k
     _check_activation(act, slots, w.intermediate, "act")
     if routing.block_m != config.block_m:
         raise ValueError(f"routing tiles have {routing.block_m} rows, config wants {config.block_m}")
-    y = _out_buffer(out, (slots, w.hidden), torch.float32, act)
+    y = _out_buffer(out, (config.split_k * slots, w.hidden), torch.float32, act)
     if routing.max_tiles == 0:
         return y
-    _gemm2_kernel[_grid(routing, w.hidden, config.block_n2)](
+    _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
-        routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate,
+        routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
-        A_FORMAT=_dot_scaled_format(config, act.dtype),
-        FAST_MATH=config.fast_math, num_warps=config.num_warps, num_stages=config.num_stages,
+        A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
 
-def moe_combine(y: torch.Tensor, top_k: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [T*K, C] fp32 (slot order) -> [T, C] in `dtype`: the sum over each token's K slots."""
-    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % top_k:
-        raise ValueError(f"y must be a contiguous fp32 [T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
-    tokens, hidden = y.shape[0] // top_k, y.shape[1]
+def moe_combine(
+    y: torch.Tensor, top_k: int, dtype: torch.dtype, out: torch.Tensor | None = None, splits: int = 1
+) -> torch.Tensor:
+    """y [P*T*K, C] fp32 (P = splits slabs, slot order) -> [T, C] in `dtype`: the sum over each
+    token's K slots and the P slabs."""
+    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % (top_k * splits):
+        raise ValueError(f"y must be a contiguous fp32 [{splits}*T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
+    tokens, hidden = y.shape[0] // (top_k * splits), y.shape[1]
     res = _out_buffer(out, (tokens, hidden), dtype, y)
     if tokens:
         block_t = min(COMBINE_TOKENS, triton.next_power_of_2(tokens))
         grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, COMBINE_BLOCK))
-        _combine_kernel[grid](y, res, tokens, hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK_C=COMBINE_BLOCK)
+        _combine_kernel[grid](y, res, tokens, hidden, TOP_K=top_k, SPLITS=splits, BLOCK_T=block_t,
+                              BLOCK_C=COMBINE_BLOCK)
     return res
 
 
@@ -512,6 +576,6 @@ def moe_gemm2_ref(act: torch.Tensor, routing: MoeRouting, w: MoeWeights) -> torc
     return y
 
 
-def moe_combine_ref(y: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def moe_combine_ref(y: torch.Tensor, top_k: int, dtype: torch.dtype, splits: int = 1) -> torch.Tensor:
     """Twin of moe_combine."""
-    return y.view(-1, top_k, y.shape[1]).sum(dim=1).to(dtype)
+    return y.view(splits, -1, top_k, y.shape[1]).sum(dim=(0, 2)).to(dtype)

@@ -1,0 +1,102 @@
+"""Break one decode step down kernel by kernel (issue 7's method): where the time of a step goes.
+
+    PYTHONPATH=src python scripts/profile_decode.py [--model 20b] [--batch 1 64] [--steps 20]
+
+For each batch size: the engine decodes after a 128-token prompt; a window of steps is recorded
+with torch.profiler (CUDA kernels, also inside CUDA-graph replays) and the device time per step is
+summed by kernel family. Also printed: wall time per step with graphs (what the engine runs) and
+the idle share (wall minus kernel time: launch gaps, host work, the per-step sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+# (family, pattern on the kernel name), first match wins; names are Triton function names or cuBLAS.
+FAMILIES = [
+    ("moe gemm1+swiglu", r"_gemm1_swiglu"),
+    ("moe gemm2", r"_gemm2_kernel"),
+    ("moe routing", r"route|_hist|_tile|topk"),
+    ("moe combine", r"_combine"),
+    ("decode attention", r"_decode_split|_decode_reduce"),
+    ("prefill attention", r"_prefill|_attn_fwd"),
+    ("kv store", r"_kv_store"),
+    ("rms norm", r"rms"),
+    ("rope", r"rope"),
+    ("sampling", r"sampl|_gumbel|_argmax|_top"),
+    ("dense gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|cublas|nvjet"),
+    ("other", r""),
+]
+
+
+def family(name: str) -> str:
+    return next(f for f, pat in FAMILIES if re.search(pat, name, re.IGNORECASE))
+
+
+def profile(eng, batch: int, steps: int) -> None:
+    from gptoss_cli.runtime.api import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=1.0, max_tokens=steps * 3 + 16, ignore_eos=True, seed=1)
+    for _ in range(batch):
+        eng.add_request(torch.randint(0, 199998, (128,), generator=g).tolist(), params)
+    while True:  # prefill, then a few decode steps to settle
+        events = eng.step()
+        if len(events) == batch and all(e.index >= 4 for e in events):
+            break
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3 / steps
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    per_family: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            per_family[family(ev.name)] += ev.device_time_total / steps
+            per_kernel[ev.name] += ev.device_time_total / steps
+    while eng.has_unfinished():
+        eng.step()
+    busy_us = sum(per_family.values())
+    print(f"\nbatch {batch}: wall {wall_ms:.3f} ms/step ({batch / wall_ms * 1e3:,.0f} tok/s), "
+          f"kernels {busy_us / 1e3:.3f} ms/step, idle {max(0.0, wall_ms - busy_us / 1e3):.3f} ms/step")
+    print(f"{'family':<22}{'us/step':>10}{'share':>8}")
+    for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
+        print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%")
+    print("top kernels:")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {us:>9.1f} us  {name[:90]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="20b", choices=["tiny", "20b", "120b"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from gptoss_cli.runtime.gpu.engine import GpuEngine
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=max(args.batch))
+    for b in args.batch:
+        profile(eng, b, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
