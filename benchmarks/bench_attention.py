@@ -95,7 +95,7 @@ def _row(op: str, layer: str, batch: int, tokens: int, ms: float, nbytes: float,
                 pct_bf16=100 * tflops / BF16_TFLOPS)
 
 
-def _decode_case(batch: int, context: int, window: int, device: str, timer) -> dict:
+def _decode_case(batch: int, context: int, window: int, device: str, timer, tiles=None, num_splits=None) -> dict:
     from gptoss_cli.kernels.decode_attention import decode_attention
 
     ring = -(-window // BLOCK_SIZE) + 1 if window else 0
@@ -105,7 +105,8 @@ def _decode_case(batch: int, context: int, window: int, device: str, timer) -> d
     sinks = torch.randn(NUM_HEADS, dtype=torch.bfloat16, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
-    ms = timer(lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, sinks, SM_SCALE, window, ring, out=out))
+    ms = timer(lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, sinks, SM_SCALE, window, ring,
+                                        num_splits=num_splits, out=out, tiles=tiles))
     keys = min(context, window) if window else context
     kv_bytes = batch * keys * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     flops = 4 * HEAD_DIM * NUM_HEADS * batch * keys
@@ -154,6 +155,20 @@ def bench(device: str = "cuda", sizes: Sizes | None = None) -> list[dict]:
     return rows
 
 
+def sweep(device: str = "cuda") -> list[tuple[str, dict]]:
+    """Batch-1 decode at 32k and 128k over key tile, pipeline depth and split count."""
+    from gptoss_cli.kernels.decode_attention import DecodeTiles
+
+    timer, out = _timer(device), []
+    grid = [(bn, st, sp) for bn in (32, 64, 128) for st in (2, 3, 4) for sp in (32, 64, 128)]
+    for context in ((100,) if device == "cpu" else (32768, 131072)):
+        for bn, st, sp in grid[:2] if device == "cpu" else grid:
+            label = f"block_n={bn} stages={st} splits={sp}"
+            tiles = DecodeTiles(block_n=bn, num_warps=4, num_stages=st)
+            out.append((label, _decode_case(1, context, 0, device, timer, tiles=tiles, num_splits=sp)))
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'op':8}{'layer':9}{'B':>4}{'ctx/T':>8}{'ms':>10}{'GB':>9}{'TB/s':>7}{'%copy':>7}"
             f"{'TFLOP':>8}{'TF/s':>8}{'%bf16':>7}")
@@ -169,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also sweep batch-1 decode tiles and splits")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -178,6 +194,9 @@ def main() -> None:
     if device == "cuda":
         print(f"{torch.cuda.get_device_name()}  H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} BS={BLOCK_SIZE} bf16")
     print(format_table(bench(device)))
+    if args.sweep:
+        for label, r in sweep(device):
+            print(f"{label:<34} ctx {r['tokens']:>6}  {r['ms'] * 1e3:8.1f} us  {r['pct_copy']:5.1f} % of copy bw")
 
 
 if __name__ == "__main__":
