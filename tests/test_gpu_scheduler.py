@@ -182,3 +182,15 @@ def test_decodes_behind_a_prefill_stay_within_the_budget():
     sched.add(_seq([7], 5, rid="one"))
     plan = sched.schedule()
     assert {s.request_id: n for s, n in plan.chunks} == {"one": 1, "long": 15}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_simulation_with_one_token_prompts_under_pressure(seed):
+    # One- and two-token prompts decode from their first step, next to long prompts still
+    # prefilling, with few blocks: preemption then often takes a sequence already planned for
+    # the step (a decode, planned first), which must leave the plan (checked inside _sim).
+    rng = random.Random(seed)
+    reqs = [([rng.randrange(50) for _ in range(rng.choice([1, 2, rng.randrange(40, 200)]))], rng.randrange(5, 40))
+            for _ in range(30)]
+    _, sched, _ = _sim(max_batch=8, full_blocks=24, slide_blocks=60, budget=32, requests=reqs, seed=seed)
+    assert sched.num_preemptions > 0
