@@ -45,8 +45,15 @@ class KvManager:
         """Lowest logical block a query at `next_position` (or later) can still see."""
         return max(0, next_position - self.window + 1) // self.block_size
 
+    def _inside_block(self, seq: Sequence, n: int) -> bool:
+        """The next n tokens fall in the block already holding position num_computed - 1: no new
+        block in either pool (that block is allocated and, holding the newest key, visible)."""
+        return seq.num_computed % self.block_size != 0 and (seq.num_computed % self.block_size) + n <= self.block_size
+
     def step_cost(self, seq: Sequence, n: int) -> tuple[int, int]:
         """New (full, sliding) blocks needed to compute the next n tokens of seq."""
+        if self._inside_block(seq, n):  # the common decode step, without the scan below
+            return 0, 0
         end_block = self.blocks_for(seq.num_computed + n)
         new_full = max(0, end_block - len(seq.full_blocks))
         first = self.first_visible_block(seq.num_computed)
@@ -103,6 +110,8 @@ class KvManager:
     def reserve(self, seq: Sequence, n: int) -> None:
         """Make room for tokens [num_computed, num_computed + n); call after can_run()."""
         self._release_invisible(seq)
+        if self._inside_block(seq, n):
+            return
         end_block = self.blocks_for(seq.num_computed + n)
         while len(seq.full_blocks) < end_block:
             block = self.full.allocate()
@@ -141,6 +150,8 @@ class KvManager:
 
     def _release_invisible(self, seq: Sequence) -> None:
         first = min(self.first_visible_block(seq.num_computed), len(seq.slide_blocks))
+        if first <= seq.slide_start:
+            return
         for j in range(seq.slide_start, first):
             if seq.slide_blocks[j]:
                 self.slide.release(seq.slide_blocks[j])
