@@ -65,10 +65,12 @@ class Scheduler:
         # Decodes first: they need one token each and max_step_tokens >= max_batch, so they always
         # fit; prefill chunks share what is left. (Planning prefills first let a step exceed the
         # budget, and the forward's fixed-size workspaces with it: the H200 load check, 2026-11-30.)
-        order = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
+        decodes, prefills = [], []
+        for seq in self.running:
+            (decodes if seq.num_pending == 1 else prefills).append(seq)
         planned: list[tuple[Sequence, int]] = []
         budget = self.max_step_tokens
-        for seq in order:
+        for seq in decodes + prefills:
             if seq.status is not Status.RUNNING:
                 continue  # preempted while planning an earlier sequence
             n = min(seq.num_pending, budget)
@@ -79,7 +81,7 @@ class Scheduler:
             budget -= n
         if not planned:
             return None
-        return StepPlan(planned, all(n == 1 and seq.num_pending == 1 for seq, n in planned))
+        return StepPlan(planned, not prefills and len(planned) == len(decodes))
 
     def _admit(self) -> None:
         while self.waiting and self._free_rows and len(self.running) < self.max_batch:
@@ -100,7 +102,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, planned: list[tuple[Sequence, int]]) -> bool:
         """Preempt the newest sequences until seq's next n tokens fit; False if seq itself went.
         A victim already planned this step leaves `planned` (its reservation went with its blocks)."""
-        while not self.kv.can_run(self.kv.step_cost(seq, n)):
+        cost = self.kv.step_cost(seq, n)  # preempting others frees blocks, it does not change this
+        while cost != (0, 0) and not self.kv.can_run(cost):
             victim = self.running[-1]
             self._preempt(victim)
             planned[:] = [c for c in planned if c[0] is not victim]
