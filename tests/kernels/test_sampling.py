@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_cli.kernels import sampling
+from gptoss_cli.kernels import sampling, sampling_threshold
 from gptoss_cli.kernels.sampling import filter_ref, row_key, sample, sample_ref, sample_uniforms, uniform_ref
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -218,9 +218,9 @@ def _threshold_kernel(logits_ptr, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, scr
     b = tl.program_id(0)
     row = logits_ptr + b * V
     top, _ = sampling._argmax_pass(row, 0, V, float("-inf"), 1.0, 0, row, False, False, False, BLOCK)
-    thr = sampling._filtered_threshold(row, V, V, top, tl.load(temp_ptr + b), tl.load(topk_ptr + b),
-                                       tl.load(topp_ptr + b), tl.load(minp_ptr + b), -1.0,
-                                       scratch_ptr + b * CAP, BLOCK, NT, CAP, 16)
+    thr = sampling_threshold.filtered_threshold(row, V, V, top, tl.load(temp_ptr + b), tl.load(topk_ptr + b),
+                                                tl.load(topp_ptr + b), tl.load(minp_ptr + b), -1.0,
+                                                scratch_ptr + b * CAP, BLOCK, NT, CAP, 16)
     tl.store(out_ptr + b, thr)
 
 
