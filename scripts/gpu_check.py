@@ -90,15 +90,20 @@ def section_kernels(args) -> None:
     row("kernels", "pytest tests/kernels on GPU", f"rc={proc.returncode} ({tail[-1] if tail else ''}) {time.time() - t:.0f}s")
 
 
+def _run_script(section: str, args: list[str], label: str) -> None:
+    """Run a script of this repository in a subprocess; print its output tail, report its status."""
+    t = time.time()
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "src")})
+    print(proc.stdout[-6000:])
+    if proc.returncode:
+        print(proc.stderr[-3000:])
+    row(section, label, f"rc={proc.returncode} {time.time() - t:.0f}s")
+
+
 def section_kbench(args) -> None:
     for script in sorted(Path("benchmarks").glob("bench_*.py")):
-        t = time.time()
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": "src"})
-        print(proc.stdout[-6000:])
-        if proc.returncode:
-            print(proc.stderr[-3000:])
-        row("kbench", script.name, f"rc={proc.returncode} {time.time() - t:.0f}s")
+        _run_script("kbench", [str(script)], script.name)
 
 
 def _engine(weights, **opts):
@@ -374,13 +379,7 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
 
 def section_profile(args) -> None:
     """Decode step broken down by kernel family (scripts/profile_decode.py), 20b at batch 1 and 64."""
-    t = time.time()
-    proc = subprocess.run([sys.executable, "scripts/profile_decode.py"], capture_output=True, text=True,
-                          check=False, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "src")})
-    print(proc.stdout[-6000:])
-    if proc.returncode:
-        print(proc.stderr[-3000:])
-    row("profile", "profile_decode.py (20b, B=1 and 64)", f"rc={proc.returncode} {time.time() - t:.0f}s")
+    _run_script("profile", ["scripts/profile_decode.py"], "profile_decode.py (20b, B=1 and 64)")
 
 
 def section_e120b(args) -> None:
@@ -414,10 +413,7 @@ def main() -> int:
             row(name, "FAILED", traceback.format_exc().strip().splitlines()[-1][:160])
             failed += 1
         print(f"== {name} done in {time.time() - t:.0f}s", flush=True)
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "gpu_check.json").write_text(json.dumps({"rows": ROWS, "results": RESULTS}, indent=1, default=str))
     width = max(len(m) for _, m, _ in ROWS) if ROWS else 10

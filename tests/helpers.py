@@ -28,3 +28,12 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "
         raise AssertionError(
             f"{what}: max rel err {err:.3e} > {tol:.1e} at {at}: got {out[at].item()}, want {ref[at].item()}"
         )
+
+
+def bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |out - ref| in units of ref's bf16 spacing (2^(exponent - 7)); values below 1e-3 of
+    the largest count as that size, so an exact zero in ref does not demand an exact zero."""
+    r = ref.float()
+    floor = 1e-3 * r.abs().max().clamp_min(1e-30)
+    spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(r.abs(), floor))) - 7)
+    return ((out.float() - r).abs() / spacing).max().item()

@@ -2,20 +2,11 @@
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, bf16_ulps
 
 from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest |out - ref| in units of ref's bf16 spacing (2^(exponent - 7)); values below 1e-3 of
-    the largest count as that size, so an exact zero in ref does not demand an exact zero."""
-    r = ref.float()
-    floor = 1e-3 * r.abs().max().clamp_min(1e-30)
-    spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(r.abs(), floor))) - 7)
-    return ((out.float() - r).abs() / spacing).max().item()
 
 
 def _check(y, h, y_ref, h_ref, dtype, on_gpu):
@@ -24,12 +15,12 @@ def _check(y, h, y_ref, h_ref, dtype, on_gpu):
         assert_close(y, y_ref, 1e-5, "y")
     elif on_gpu:
         assert torch.equal(h, h_ref)  # x + residual rounded to nearest-even, like torch
-        assert _bf16_ulps(y, y_ref) <= 1.0
+        assert bf16_ulps(y, y_ref) <= 1.0
     else:
         # The interpreter truncates fp32 -> bf16 stores where torch rounds to nearest even, so
         # stored values may sit one bf16 step towards zero.
-        assert _bf16_ulps(h, h_ref) <= 1.0
-        assert _bf16_ulps(y, y_ref) <= 2.0
+        assert bf16_ulps(h, h_ref) <= 1.0
+        assert bf16_ulps(y, y_ref) <= 2.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

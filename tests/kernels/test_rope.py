@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, bf16_ulps
 
 from gptoss_cli.kernels.rope import apply_rope, apply_rope_qkv, apply_rope_ref, qkv_views, rope_cos_sin
 from gptoss_cli.runtime.config import ModelConfig
@@ -18,22 +18,13 @@ def tables():
     return rope_cos_sin(ModelConfig(), MAX_POS, device)
 
 
-def _bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest |out - ref| in units of ref's bf16 spacing (2^(exponent - 7)); values below 1e-3 of
-    the largest count as that size, so an exact zero in ref does not demand an exact zero."""
-    r = ref.float()
-    floor = 1e-3 * r.abs().max().clamp_min(1e-30)
-    spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(r.abs(), floor))) - 7)
-    return ((out.float() - r).abs() / spacing).max().item()
-
-
 def _assert_rotated(out, ref, what):
     if out.dtype == torch.float32:
         assert_close(out, ref, 2e-6, what)  # the GPU may fuse x1*c - x2*s into one FMA
     else:
         # One bf16 step: the GPU may round an FMA result differently, and the interpreter
         # truncates fp32 -> bf16 stores where torch rounds to nearest even.
-        assert _bf16_ulps(out, ref) <= 1.0, what
+        assert bf16_ulps(out, ref) <= 1.0, what
 
 
 def _positions(tokens, device):

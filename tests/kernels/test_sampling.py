@@ -1,28 +1,19 @@
 """sample kernel vs sample_ref: bit-exact uniforms, same tokens, exact kept sets, statistics, graphs."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from gptoss_cli.kernels import sampling, sampling_threshold
-from gptoss_cli.kernels.sampling import filter_ref, row_key, sample, sample_ref, sample_uniforms, uniform_ref
+from gptoss_cli.kernels.sampling import (SamplingRows, filter_ref, row_key, sample, sample_ref, sample_uniforms,
+                                         uniform_ref)
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@dataclass
-class Rows:
-    """Per-row sampling parameters, as the engine passes them."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    offsets: torch.Tensor
+class Rows(SamplingRows):
+    """Per-row sampling parameters, as the engine passes them, with test constructors."""
 
     @classmethod
     def make(cls, n, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -35,9 +26,6 @@ class Rows:
 
     def filters(self):
         return self.temperature, self.top_k, self.top_p, self.min_p
-
-    def args(self):
-        return (*self.filters(), self.seeds, self.offsets)
 
 
 def _on_the_edge(p, rows, tol=2e-5):

@@ -11,10 +11,10 @@ from .moe import MoeWorkspace, moe_forward
 from .moe_matmul import MoeConfig, MoeWeights, prepare_moe_weights
 from .rmsnorm import rms_norm
 from .rope import apply_rope, apply_rope_qkv, rope_cos_sin
-from .sampling import sample
+from .sampling import SamplingRows, sample
 
 __all__ = [
     "MoeConfig", "MoeWeights", "MoeWorkspace", "apply_rope", "apply_rope_qkv", "choose_num_splits",
     "decode_attention", "kv_store", "moe_forward", "prefill_attention", "prepare_moe_weights",
-    "rms_norm", "rope_cos_sin", "sample",
+    "rms_norm", "rope_cos_sin", "sample", "SamplingRows",
 ]

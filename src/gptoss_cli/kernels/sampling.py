@@ -381,6 +381,22 @@ def _uniform_kernel(seed_ptr, off_ptr, out_ptr, V, BLOCK: tl.constexpr):
     tl.store(out_ptr + b.to(tl.int64) * V + idx, _uniform_dev(idx, key), mask=idx < V)
 
 
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters of a batch, in the order `sample` takes them: temperature,
+    top_p, min_p fp32; top_k int32; seeds, offsets int64 (all [B])."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.offsets
+
+
 @dataclass(frozen=True)
 class SampleLaunch:
     """Block sizes and search limits of `sample` (per device kind)."""

@@ -61,7 +61,8 @@ class KvManager:
         return new_full, new_slide
 
     def can_run(self, cost: tuple[int, int]) -> bool:
-        return self.full.can_allocate(cost[0]) and self.slide.can_allocate(cost[1])
+        # A zero cost (most decode steps) needs no look at the pools.
+        return (not cost[0] or self.full.can_allocate(cost[0])) and (not cost[1] or self.slide.can_allocate(cost[1]))
 
     # ---- prefix cache --------------------------------------------------------------------
     def prefix_hashes(self, tokens: list[int]) -> list[bytes]:

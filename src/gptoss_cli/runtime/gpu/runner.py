@@ -11,27 +11,16 @@ in and the sampled ids out (the one host sync per step).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ...kernels import choose_num_splits, sample
+from ...kernels import SamplingRows, choose_num_splits, sample
 from .kv_cache import KvCache
 from .model import ForwardBatch, GpuModel
 from .sequence import Sequence
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-@dataclass
-class _SamplingRows:
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    offsets: torch.Tensor
 
 
 def _sampling_host(seqs: list[Sequence]) -> list[np.ndarray]:
@@ -130,7 +119,7 @@ class Runner:
         self._s_positions = torch.zeros(m, dtype=torch.int64, device=dev)
         self._s_rows = torch.zeros(m, dtype=torch.int64, device=dev)
         self._s_active = torch.zeros(m, dtype=torch.int64, device=dev)
-        self._s_sampling = _SamplingRows(
+        self._s_sampling = SamplingRows(
             torch.zeros(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.int32, device=dev),
             torch.ones(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.float32, device=dev),
             torch.zeros(m, dtype=torch.int64, device=dev), torch.zeros(m, dtype=torch.int64, device=dev))
@@ -146,7 +135,7 @@ class Runner:
         for dst, src in zip((self._s_tokens, self._s_positions, self._s_rows, self._s_active), host):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
         fills = (1.0, 0, 1.0, 0.0, 0, 0)
-        for dst, src, fill in zip(vars(self._s_sampling).values(), _sampling_host(seqs), fills):
+        for dst, src, fill in zip(self._s_sampling.args(), _sampling_host(seqs), fills):
             dst.copy_(torch.from_numpy(pad(src, fill)), non_blocking=True)
         self._graph_seqs = list(seqs)
 
@@ -163,7 +152,7 @@ class Runner:
         batch = ForwardBatch(tok, pos, full_slots, slide_slots, ft, st, None, True, seq_lens, self._splits[b])
         logits = self.model.forward(batch)
         s = self._s_sampling
-        nxt = sample(logits, s.temperature[:b], s.top_k[:b], s.top_p[:b], s.min_p[:b], s.seeds[:b], s.offsets[:b])
+        nxt = sample(logits, *(t[:b] for t in s.args()))
         self._s_out[:b].copy_(nxt)
         tok.copy_(nxt)
         pos.add_(active)

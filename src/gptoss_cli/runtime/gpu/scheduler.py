@@ -103,7 +103,7 @@ class Scheduler:
         """Preempt the newest sequences until seq's next n tokens fit; False if seq itself went.
         A victim already planned this step leaves `planned` (its reservation went with its blocks)."""
         cost = self.kv.step_cost(seq, n)  # preempting others frees blocks, it does not change this
-        while cost != (0, 0) and not self.kv.can_run(cost):
+        while not self.kv.can_run(cost):
             victim = self.running[-1]
             self._preempt(victim)
             planned[:] = [c for c in planned if c[0] is not victim]
