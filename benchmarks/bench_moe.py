@@ -132,8 +132,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "default": {},  # decode: packed-bf16 (inline asm) dequantisation; prefill: fp32 dequantisation
     "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
     "dot_scaled": {"use_dot_scaled": True},
-    "split2": {"split_k": 2},  # decode only: K cut in 2 / 4 chunks, partials finished after
-    "split4": {"split_k": 4},
+    "nosplit": {"split_k1": 1, "split_k2": 1},  # decode only: K cut into chunks, partials finished after
+    "split2": {"split_k1": 2, "split_k2": 2},
 }
 
 
@@ -156,7 +156,7 @@ def _kernels(st: _Setup, variant):
     gemm1_flops, gemm2_flops = 2 * slots * c * 2 * i, 2 * slots * i * c
     router_bytes, router_flops = case.experts * c * 2, 2 * case.tokens * c * case.experts
 
-    y_out = st.y if cfg.split_k == 1 else torch.empty(cfg.split_k * slots, c, device=st.y.device)
+    y_out = st.y if cfg.split_k2 == 1 else torch.empty(cfg.split_k2 * slots, c, device=st.y.device)
 
     def gemm1():
         return [moe_gemm1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
@@ -200,7 +200,7 @@ def _bench_case(case: Case, device: str, variants: list[str]) -> list[dict]:
 
     rows = [_measure(case, "route", "-", base, routing, 1, case.tokens * case.experts * 2 + slots * 16, 0, device)]
     for variant in variants:
-        if base.regime == "prefill" and VARIANTS[variant].get("split_k", 1) > 1:
+        if base.regime == "prefill" and variant in ("nosplit", "split2"):
             continue  # split-K is a decode experiment
         rows += [_measure(case, name, variant, *rest, device) for name, *rest in _kernels(st, variant)]
     combine_bytes = slots * c * 4 + case.tokens * c * 2

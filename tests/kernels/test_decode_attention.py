@@ -10,7 +10,7 @@ import torch
 from helpers import assert_close
 
 from gptoss_cli.kernels.attention import attention_ref
-from gptoss_cli.kernels.decode_attention import choose_num_splits, decode_attention
+from gptoss_cli.kernels.decode_attention import DecodeTiles, choose_num_splits, decode_attention
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SM_SCALE = 0.125
@@ -59,7 +59,7 @@ def _reference(q, kvs, seq_lens, sinks, window):
 
 
 def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num_splits, device,
-         dtype=torch.float32, sink_scale=1.0, head_dim=64):
+         dtype=torch.float32, sink_scale=1.0, head_dim=64, tiles=None):
     k_cache, v_cache, table, kvs = _build_cache(seq_lens, num_kv_heads, head_dim, block_size, ring_blocks,
                                                 dtype, device)
     # q as a strided view of a fused projection output, the way the engine passes it.
@@ -67,7 +67,7 @@ def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num
     sinks = (torch.randn(num_heads, device=device) * sink_scale).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = decode_attention(q, k_cache, v_cache, table, lens, sinks, SM_SCALE, window, ring_blocks,
-                           num_splits=num_splits)
+                           num_splits=num_splits, tiles=tiles)
     return out, _reference(q, kvs, seq_lens, sinks, window)
 
 
@@ -87,6 +87,14 @@ def test_splits_agree_with_one_split(device):
     torch.manual_seed(1)
     b, _ = _run([300, 77], 8, 1, 32, 0, 0, 5, device)
     assert_close(b, a, _fp32_tol(device), "5 splits vs 1")
+
+
+def test_min_chunk_leaves_trailing_splits_empty(device):
+    # 96 keys per split at least: 300 keys fill 4 of 8 splits (the last one partly), 77 fill one,
+    # 1 key leaves 7 splits empty; the reduce must ignore the empty partials.
+    tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1, min_chunk=96)
+    out, ref = _run([300, 77, 1, 0], 8, 1, 16, 0, 0, 8, device, tiles=tiles)
+    assert_close(out, ref, _fp32_tol(device), "min_chunk 96, 8 splits")
 
 
 @pytest.mark.parametrize("ring_blocks,num_splits", [(0, 1), (9, 1), (9, 3)])

@@ -4,7 +4,8 @@ Semantics are `attention_ref` (attention.py) with q at position seq_lens[b] - 1 
 positions [0, seq_lens[b]) (the last one already appended), or only the last `window` of them.
 One program owns one (sequence, KV head, split): the G = H / Hkv query heads of that KV head form
 the rows of its tl.dot tile, padded to 16 rows (the smallest tensor-core M), so each K/V byte is
-read once. With several splits the key range is cut into `num_splits` equal chunks; each writes an
+read once. With several splits the key range is cut into `num_splits` equal chunks (at least
+`DecodeTiles.min_chunk` keys each, so short rows leave trailing splits empty); each writes an
 unnormalised partial (acc, running max m, sum l) and a small reduce kernel folds them with the sink:
     out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M))   (base-2 logits)
 num_splits is a host-side static choice (CUDA graphs), never derived from device data.
@@ -25,17 +26,27 @@ from .kv_store import cache_geometry, load_kv_tile
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch shape of the split kernel: keys per tile, warps and pipeline depth."""
+    """Launch shape of the split kernel: keys per tile, warps, pipeline depth, and the fewest keys
+    a split streams (a multiple of block_n; longer rows spread over all splits)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    min_chunk: int = 0  # 0: block_n
 
 
-def decode_tiles() -> DecodeTiles:
-    """Host heuristic; the interpreter gets a small tile, the GPU a pipelined 64-key tile."""
+def decode_tiles(num_splits: int = 1) -> DecodeTiles:
+    """Host heuristic; the interpreter gets a small tile, the GPU a pipelined key tile.
+
+    GPU with splits (H200 sweep, batch 1, docs/performance.md): 128-key tiles and >= 1,024 keys
+    per split took 32k context from 42.2 to 34.2 us per layer and 131k from 93 to 87 us; the
+    static split count is sized for the longest context, so a shorter row leaves splits idle
+    instead of cutting its keys into slivers. One split (large batches) keeps the measured
+    64-key tile."""
     if is_interpreted():
         return DecodeTiles(block_n=32, num_warps=4, num_stages=1)
+    if num_splits > 1:
+        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=1024)
     return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
 
 
@@ -52,7 +63,7 @@ def _decode_split_kernel(
     qk_scale, window, ring_blocks, num_heads,
     stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,7 +72,7 @@ def _decode_split_kernel(
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Chunks follow this row's real length, so short rows leave trailing splits empty; an empty
     # split still writes a neutral partial (m = sink, l = 0, acc = 0).
-    chunk = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(seq_len - start, NUM_SPLITS), MIN_CHUNK), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -172,7 +183,7 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if num_seqs == 0:
         return out
-    tiles = tiles or decode_tiles()
+    tiles = tiles or decode_tiles(num_splits)
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     part_o = part_ml = out  # placeholders, unused when num_splits == 1
@@ -185,7 +196,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
-        NUM_SPLITS=num_splits, DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        NUM_SPLITS=num_splits, MIN_CHUNK=max(tiles.min_chunk, tiles.block_n), DOT_DTYPE=dot_dtype(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](

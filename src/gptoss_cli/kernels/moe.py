@@ -173,6 +173,6 @@ def moe_forward(
         act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
-        y = moe_gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
+        y = moe_gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k2 == 1 else None)
     with record_function("moe.combine"):
-        return moe_combine(y, top_k, dt, splits=cfg.split_k)
+        return moe_combine(y, top_k, dt, splits=cfg.split_k2)

@@ -1,0 +1,96 @@
+"""Compile kernels for Hopper (sm_90) without a GPU, the way the launcher specialises them.
+
+Run as a script (`python tests/kernels/sm90_compile.py [CASE ...]`) in a process without
+TRITON_INTERPRET: under the interpreter @triton.jit functions are not compilable objects. Prints
+one line per case, "OK <case>" or "FAIL <case>: <error>"; test_sm90_compile.py drives it.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+FLOAT_ARGS = {"limit", "alpha", "qk_scale"}
+
+
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    """Compile `fn` for sm_90: `pointers` names the pointer arguments' types, `constexprs` holds the
+    constexpr parameters and any int argument the launcher would specialise (value 1)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in FLOAT_ARGS else "i32")
+    # Pointers of fresh tensors arrive 16-byte aligned, as the launcher reports them.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    if not kernel.asm.get("cubin"):
+        raise RuntimeError("no cubin")
+
+
+def _combine(splits: int):
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    compile_sm90(mm._combine_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16"},
+                 {"num_tokens": 1, "TOP_K": 4, "SPLITS": splits, "BLOCK_T": 1, "BLOCK_C": mm.COMBINE_BLOCK})
+
+
+def _gemm2_split():
+    import triton.language as tl
+
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "act_ptr": "*bf16", "bias_ptr": "*fp32", "y_ptr": "*fp32",
+                "gamma_ptr": "*fp32"}
+    pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
+    compile_sm90(mm._gemm2_kernel, pointers, {
+        "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2})
+
+
+def _decode_min_chunk():
+    import importlib
+
+    import triton.language as tl
+
+    # The package exports the function decode_attention, which hides the module of that name.
+    da = importlib.import_module("gptoss_cli.kernels.decode_attention")
+
+    pointers = {n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", "out_ptr")}
+    pointers |= {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    tiles = da.decode_tiles(num_splits=32)
+    compile_sm90(da._decode_split_kernel, pointers, {
+        "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n, "NUM_SPLITS": 32,
+        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16}, tiles.num_warps, tiles.num_stages)
+
+
+CASES = {
+    "combine-1-token": lambda: _combine(1),
+    "combine-1-token-2-splits": lambda: _combine(2),
+    "gemm2-split2-asm": _gemm2_split,
+    "decode-attention-min-chunk": _decode_min_chunk,
+}
+
+
+def main(names: list[str]) -> int:
+    failed = 0
+    for name in names or list(CASES):
+        try:
+            CASES[name]()
+            print(f"OK {name}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - report every case
+            failed += 1
+            last = traceback.format_exception_only(exc)[-1].strip().replace("\n", " ")
+            print(f"FAIL {name}: {last[:300]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
