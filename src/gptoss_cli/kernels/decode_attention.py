@@ -58,6 +58,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: 
 
 
 @triton.jit
+def _key_chunks(seq_len, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first key, keys per split) of one row. Chunks follow the row's real length, so short rows
+    leave trailing splits empty; an empty split still writes a neutral partial (m = sink, l = 0,
+    acc = 0), and the reduce reads only the splits that hold keys."""
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(seq_len - start, NUM_SPLITS), MIN_CHUNK), BLOCK_N) * BLOCK_N
+    return start, chunk
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, window, ring_blocks, num_heads,
@@ -69,10 +79,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    # Chunks follow this row's real length, so short rows leave trailing splits empty; an empty
-    # split still writes a neutral partial (m = sink, l = 0, acc = 0).
-    chunk = tl.cdiv(tl.maximum(tl.cdiv(seq_len - start, NUM_SPLITS), MIN_CHUNK), BLOCK_N) * BLOCK_N
+    start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -109,30 +116,30 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_heads, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_o_ptr, part_ml_ptr, sinks_ptr, seq_lens_ptr, out_ptr, window, num_heads, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """One program per (sequence, query head): all partials in one masked load, only the splits
+    that hold keys (a loop over every split made this kernel cost more than the split kernel)."""
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    live = offs_s < tl.cdiv(seq_len - start, chunk)
+    rows = (seq * num_heads + head) * NUM_SPLITS + offs_s
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C
+    m = tl.load(part_ml_ptr + rows * 2, mask=live, other=float("-inf"))
+    l = tl.load(part_ml_ptr + rows * 2 + 1, mask=live, other=0.0)
+    # Every partial max is >= the sink (splits start from it); an idle row has M = sink.
+    big_m = tl.maximum(tl.max(m, axis=0), sink)
+    w = tl.exp2(m - big_m)  # 0 for splits without keys
+    den = tl.sum(w * l, axis=0) + tl.exp2(sink - big_m)
     offs_d = tl.arange(0, HEAD_DIM)
-    g_ok = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    row0 = (seq * num_heads + head) * NUM_SPLITS
-    # Every partial max is >= the sink (splits start from it), so M needs no separate sink term.
-    big_m = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C
-    sink = big_m
-    for s in range(NUM_SPLITS):
-        big_m = tl.maximum(big_m, tl.load(part_ml_ptr + (row0 + s) * 2, mask=g_ok, other=0.0))
-    den = tl.exp2(sink - big_m)
-    num = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_ml_ptr + (row0 + s) * 2, mask=g_ok, other=0.0) - big_m)
-        den += w * tl.load(part_ml_ptr + (row0 + s) * 2 + 1, mask=g_ok, other=0.0)
-        o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        num += w[:, None] * o
-    tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-             (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    o = tl.load(part_o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
+    num = tl.sum(w[:, None] * o, axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, (num / den).to(out_ptr.dtype.element_ty))
 
 
 def _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim) -> None:
@@ -186,6 +193,7 @@ def decode_attention(
     tiles = tiles or decode_tiles(num_splits)
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
+    min_chunk = max(tiles.min_chunk, tiles.block_n)
     part_o = part_ml = out  # placeholders, unused when num_splits == 1
     if num_splits > 1:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -196,12 +204,13 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
-        NUM_SPLITS=num_splits, MIN_CHUNK=max(tiles.min_chunk, tiles.block_n), DOT_DTYPE=dot_dtype(q.dtype),
+        NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
-            part_o, part_ml, sinks, out, num_heads, out.stride(0), out.stride(1),
-            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_o, part_ml, sinks, seq_lens, out, window, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            MIN_CHUNK=min_chunk, BLOCK_N=tiles.block_n, num_warps=4,
         )
     return out
