@@ -128,12 +128,23 @@ def _setup(case: Case, device: str) -> _Setup:
     )  # fmt: skip
 
 
+GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k1": 1, "split_k2": 1}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
-    "default": {},  # decode: packed-bf16 (inline asm) dequantisation; prefill: fp32 dequantisation
+    "default": {},  # T=1: matrix-vector kernels; decode: packed-bf16 (inline asm) tiles; prefill: fp32 dequant
     "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
     "dot_scaled": {"use_dot_scaled": True},
-    "nosplit": {"split_k1": 1, "split_k2": 1},  # decode only: K cut into chunks, partials finished after
-    "split2": {"split_k1": 2, "split_k2": 2},
+    # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
+    "tiled": {"gemv": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k2": 2},
+    "gemv": GEMV,
+    "gemv-k512": {**GEMV, "block_k": 512},
+    "gemv-n8": {**GEMV, "block_n1": 8, "block_n2": 8, "block_k": 512},
+    "gemv-n32": {**GEMV, "block_n1": 32, "block_n2": 32},
+}
+# Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
+VARIANTS_BY_TOKENS = {
+    1: ["default", "fp32deq", "tiled", "gemv-k512", "gemv-n8", "gemv-n32"],
+    64: ["default", "fp32deq", "dot_scaled", "gemv"],
+    4096: ["default", "dot_scaled"],
 }
 
 
@@ -145,6 +156,7 @@ def _variant_config(base, variant: str | dict):
 def _kernels(st: _Setup, variant):
     """(kernel, config, fn, layers per call, bytes, flops) for the matmul-based kernels of one variant."""
     from gptoss_cli.kernels.moe import moe_forward, pick_config
+    from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
     from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2
 
     case, r, ws = st.case, st.routing, st.weights
@@ -158,11 +170,13 @@ def _kernels(st: _Setup, variant):
 
     y_out = st.y if cfg.split_k2 == 1 else torch.empty(cfg.split_k2 * slots, c, device=st.y.device)
 
+    g1, g2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
+
     def gemm1():
-        return [moe_gemm1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
+        return [g1(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
 
     def gemm2():
-        return [moe_gemm2(st.act, r, w, cfg, out=y_out) for w in ws]
+        return [g2(st.act, r, w, cfg, out=y_out) for w in ws]
 
     def forward():
         return [moe_forward(st.x, st.router_weight, st.router_bias, w, case.top_k, workspace=st.workspace, config=cfg)
@@ -199,9 +213,9 @@ def _bench_case(case: Case, device: str, variants: list[str]) -> list[dict]:
         return moe_combine(st.y, case.top_k, st.out.dtype, out=st.out)
 
     rows = [_measure(case, "route", "-", base, routing, 1, case.tokens * case.experts * 2 + slots * 16, 0, device)]
+    if not variants:  # the GPU table: 20b compares variants, 120b runs the default only
+        variants = VARIANTS_BY_TOKENS[case.tokens] if case.model == "20b" else ["default"]
     for variant in variants:
-        if base.regime == "prefill" and variant in ("nosplit", "split2"):
-            continue  # split-K is a decode experiment
         rows += [_measure(case, name, variant, *rest, device) for name, *rest in _kernels(st, variant)]
     combine_bytes = slots * c * 4 + case.tokens * c * 2
     rows.append(_measure(case, "combine", "-", base, combine, 1, combine_bytes, slots * c, device))
@@ -228,7 +242,7 @@ def sweep(device: str = "cuda", smoke: bool = False) -> list[dict]:
 
 def bench(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (case, kernel, variant); see _row for the fields. `smoke`: tiny shapes."""
-    variants = ["fp32deq"] if device == "cpu" else list(VARIANTS)
+    variants = ["fp32deq", "gemv"] if device == "cpu" else []  # [] = VARIANTS_BY_TOKENS
     rows = []
     for case in SMOKE_CASES if smoke else CASES:
         rows += _bench_case(case, device, variants)

@@ -20,8 +20,8 @@ import torch
 
 # (family, pattern on the kernel name), first match wins; names are Triton function names or cuBLAS.
 FAMILIES = [
-    ("moe gemm1+swiglu", r"_gemm1_swiglu"),
-    ("moe gemm2", r"_gemm2_kernel"),
+    ("moe gemm1+swiglu", r"_gemm1_swiglu|_gemv1_swiglu"),
+    ("moe gemm2", r"_gemm2_kernel|_gemv2_kernel"),
     ("moe routing", r"route|_hist|_tile|topk"),
     ("moe combine", r"_combine"),
     ("decode attention", r"_decode_split|_decode_reduce"),
@@ -76,8 +76,8 @@ def profile(eng, batch: int, steps: int) -> None:
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
         print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%")
     print("top kernels:")
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  {us:>9.1f} us  {name[:90]}")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:16]:
+        print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")
 
 
 def main() -> int:

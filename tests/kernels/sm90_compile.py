@@ -11,6 +11,7 @@ import sys
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale"}
+DIV16_ARGS = {"hidden", "inter"}
 
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
@@ -26,13 +27,16 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
             signature[name] = "constexpr"
         else:
             signature[name] = pointers.get(name, "fp32" if name in FLOAT_ARGS else "i32")
-    # Pointers of fresh tensors arrive 16-byte aligned, as the launcher reports them.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n].startswith("*")}
+    # Pointers of fresh tensors arrive 16-byte aligned, and the launcher marks ints divisible by 16
+    # as such: at gpt-oss shapes that is every stride and size named here.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or n.startswith("stride_") or n in DIV16_ARGS}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     if not kernel.asm.get("cubin"):
         raise RuntimeError("no cubin")
+    return kernel
 
 
 def _combine(splits: int):
@@ -53,6 +57,19 @@ def _gemm2_split():
     compile_sm90(mm._gemm2_kernel, pointers, {
         "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
         "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2})
+
+
+def _gemv(which: str, block_n: int = 16, block_k: int = 256):
+    from gptoss_cli.kernels import moe_gemv as mg
+
+    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
+                "topk_ids_ptr": "*i32"}
+    if which == "gemv1":
+        pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
+        return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
+                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True})
+    pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
+    return compile_sm90(mg._gemv2_kernel, pointers, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True})
 
 
 def _decode_min_chunk():
@@ -80,6 +97,8 @@ CASES = {
     "combine-1-token-2-splits": lambda: _combine(2),
     "gemm2-split2-asm": _gemm2_split,
     "decode-attention-min-chunk": _decode_min_chunk,
+    "gemv1-asm": lambda: _gemv("gemv1"),
+    "gemv2-asm": lambda: _gemv("gemv2"),
 }
 
 

@@ -20,6 +20,7 @@ from gptoss_cli.kernels.moe import (
     prepare_moe_weights,
     route_ref,
 )
+from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
     expert_weight,
     moe_combine,
@@ -36,6 +37,7 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 
 # Small blocks so CPU shapes cross tile, column and K boundaries (C, I in {64, 96}).
 DECODE = MoeConfig("decode", block_m=16, block_n1=32, block_n2=64, block_k=64)
+GEMV = MoeConfig("decode", block_m=16, block_n1=16, block_n2=32, block_k=64, gemv=True)
 PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32, num_warps=4)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
@@ -226,6 +228,29 @@ def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, 
     assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
 
 
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
+                         [(1, 4, 96, 96, 4, torch.float32), (3, 4, 64, 96, 4, torch.bfloat16),
+                          (2, 6, 96, 64, 3, torch.float32)])
+def test_gemv_stages_match_twins(device, tokens, experts, hidden, inter, top_k, dtype):
+    # K = 96 with 64-wide K steps: the second step is half masked. 3 tokens over 4 experts with
+    # top-4: every expert has 3 rows (the kernels re-read its weights per row).
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, GEMV.block_m)
+    limit, alpha = 3.0, 1.702
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    act = moe_gemv1_swiglu(x, r, w, limit, alpha, GEMV)
+    assert_close(act.float(), want_act.float(), _tol(dtype, device), "gemv1+swiglu")
+    assert_close(moe_gemv2(want_act, r, w, GEMV), moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2")
+
+
+def test_gemv_rejects_a_tiled_config(device):
+    w = prepare_moe_weights(*_raw_weights(4, 64, 64, device))
+    r = route(torch.randn(1, 4, device=device), 2, 16)
+    with pytest.raises(ValueError, match="gemv"):
+        moe_gemv1_swiglu(torch.randn(1, 64, device=device), r, w, 7.0, 1.702, DECODE)
+
+
 def test_dequantisation_is_exact_over_the_scale_range(device):
     # One expert, one token, identity-like activations: gemm2 returns weight columns exactly.
     inter, hidden = 64, 64
@@ -242,7 +267,7 @@ def test_dequantisation_is_exact_over_the_scale_range(device):
 # --- the whole forward pass ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL, GEMV], ids=["decode", "prefill", "gemv"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [
@@ -301,6 +326,7 @@ def test_forward_with_no_tokens(device):
 
 def test_pick_config_regimes():
     assert pick_config(1, 32, 4).regime == "decode" and pick_config(1, 32, 4).asm_dequant
+    assert pick_config(1, 32, 4).gemv and not pick_config(2, 32, 4).gemv
     assert not pick_config(4096, 32, 4).asm_dequant  # Triton's wgmma path rejects the asm operand
     assert pick_config(64, 128, 4).regime == "decode"
     small, large = pick_config(512, 32, 4), pick_config(4096, 32, 4)
@@ -354,7 +380,9 @@ def test_real_shapes_bf16(tokens, variant):
 
 
 @requires_gpu
-@pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE], ids=["asm", "fp32deq"])
+@pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE,
+                                    dataclasses.replace(GEMV, asm_dequant=True), GEMV],
+                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
     inter, hidden = 128, 192
@@ -363,7 +391,7 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     w = prepare_moe_weights(b1, s1, c1, b2, s2, torch.zeros_like(c2))
     r = route(torch.zeros(inter, 1, device="cuda"), 1, config.block_m)
     act = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
-    y = moe_gemm2(act, r, w, config)
+    y = (moe_gemv2 if config.gemv else moe_gemm2)(act, r, w, config)
     assert torch.equal(y, dequantize_mxfp4(b2[0], s2[0]).T.contiguous())
 
 

@@ -8,7 +8,8 @@ out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
 
 moe_forward is the GPU path: router matmul (torch) -> route (moe_routing.py) -> grouped gemm1 +
-SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py). No step reads
+SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py; at about one
+row per expert the matrix-vector kernels of moe_gemv.py replace the two grouped gemms). No step reads
 anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from .moe_matmul import (
     MoeConfig,
     MoeWeights,
@@ -44,6 +46,12 @@ __all__ = [
     "route_ref",
     "swiglu_ref",
 ]
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """[T, C] -> [T, E] in x.dtype. One fused matmul + bias (as transformers' router computes it);
+    `x @ W.T + b` launched a second kernel per layer for the add."""
+    return torch.nn.functional.linear(x, weight.to(x.dtype), bias.to(x.dtype))
 
 
 def route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +86,7 @@ def moe_ref(
     so peak memory is one expert (this is also the CPU path for real checkpoints).
     `expert_weights(e) -> (W1_e, W2_e)` in x.dtype may supply them instead (a cache)."""
     dt = x.dtype
-    logits = x @ router_weight.to(dt).T + router_bias.to(dt)
+    logits = router_logits(x, router_weight, router_bias)
     weights, experts = route_ref(logits, top_k)
     if expert_weights is None:
         expert_weights = lambda e: (dequantize_mxfp4(w1_blocks[e], w1_scales[e], dt),  # noqa: E731
@@ -165,14 +173,15 @@ def moe_forward(
     cfg = config or pick_config(num_tokens, w.num_experts, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
     with record_function("moe.router"):
-        # The same expression as moe_ref, so the logits (and hence the chosen experts) match bit for bit.
-        logits = x @ router_weight.to(dt).T + router_bias.to(dt)
+        # The same function as moe_ref, so the logits (and hence the chosen experts) match bit for bit.
+        logits = router_logits(x, router_weight, router_bias)
     with record_function("moe.route"):
         routing = route(logits, top_k, cfg.block_m, out=bufs[0])
+    gemm1, gemm2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
     with record_function("moe.w1+swiglu"):
-        act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
+        act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
-        y = moe_gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k2 == 1 else None)
+        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k2 == 1 else None)
     with record_function("moe.combine"):
         return moe_combine(y, top_k, dt, splits=cfg.split_k2)

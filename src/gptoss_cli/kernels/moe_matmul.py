@@ -67,6 +67,9 @@ class MoeConfig:
     # 34.4 -> 38.8 us (the extra pass costs more than it gains), so pick_config splits gemm2 only.
     split_k1: int = 1
     split_k2: int = 1
+    # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (sorted row, column
+    # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
+    gemv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -83,10 +86,13 @@ class MoeConfig:
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
     per_expert = num_tokens * top_k / num_experts
+    if num_tokens == 1:
+        # One row per expert: matrix-vector kernels (moe_gemv.py), no padded tensor-core tile.
+        return MoeConfig("decode", 16, 16, 16, 256, num_warps=4, num_stages=3, asm_dequant=True, gemv=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
-        # Tile sweep on the H200 (docs/optimizations.md): with about one row per expert (T=1:
-        # 4 experts x 2880/32 column blocks = 360 programs) narrow 32-column blocks keep enough
-        # programs in flight; from ~4 rows per expert wider blocks amortise the dequantisation.
+        # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
+        # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise
+        # the dequantisation.
         if per_expert < 4:
             return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True,
                              split_k2=2 if per_expert <= 1 else 1)
@@ -224,16 +230,28 @@ def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M: tl.constexpr)
 
 
 @triton.jit
-def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, G, 16] u8 + [BLOCK_N, G] u8 -> [BLOCK_N, BLOCK_K] fp32, exact (module docstring)."""
+def _fp4_bits(blk):
+    """[..., 16] u8 -> fp16 bit patterns (low nibbles, high nibbles) as u16: FP4_VALUES[nibble] * 2**-14.
+    Straight from the byte, two shifts and an and-or per value (one LOP3 on the GPU)."""
     b = blk.to(tl.uint16)
-    # Straight from the byte to fp16 bits, two shifts and an and-or per value (one LOP3 on the GPU).
     lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
     hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    return lo, hi
+
+
+@triton.jit
+def _scale_fp32(scl):
+    """E8M0 bytes -> fp32 2**(s-127) * 2**14 (the 2**14 undoes _fp4_bits' fp16 offset)."""
+    return (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, G, 16] u8 + [BLOCK_N, G] u8 -> [BLOCK_N, BLOCK_K] fp32, exact (module docstring)."""
+    lo, hi = _fp4_bits(blk)
     bits = tl.interleave(lo, hi)  # [BLOCK_N, G, 32], element 2i from the low nibble of byte i
     mag = bits.to(tl.float16, bitcast=True).to(tl.float32)  # FP4_VALUES[nibble] * 2**-14
-    scale = (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(s-127) * 2**14
-    return tl.reshape(mag * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    return tl.reshape(mag * _scale_fp32(scl)[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 # Four packed bytes (eight FP4 values) per instance, $4; their four bf16 scales in $5, $6 (two per
@@ -261,18 +279,25 @@ fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $3, x, $6, z;
 
 
 @triton.jit
-def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """GPU-only twin of _dequant_mxfp4 with bf16 out and no fp32 round trip: the decode kernels'
-    SASS loop bodies shrink by about a third (docs/optimizations.md), and decode time is spent on
-    these instructions more than on bytes. Exact like it: the E8M0 byte shifted into a bf16
-    exponent is 2**(s - 127) for 1 <= s <= 254. tests/kernels/test_mxfp4_asm.py runs the PTX text
-    through an instruction-level emulator on the CPU; the H200 test checks the hardware."""
+def _fp4_pairs_bf16(blk, scl):
+    """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values, bf16, scaled; GPU only.
+    Exact: the E8M0 byte shifted into a bf16 exponent is 2**(s - 127) for 1 <= s <= 254.
+    tests/kernels/test_mxfp4_asm.py runs the PTX text through an instruction-level emulator on
+    the CPU; the H200 tests check the hardware."""
     scale = (scl.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
     scale = tl.broadcast_to(scale[:, :, None], blk.shape)
-    lo, hi = tl.inline_asm_elementwise(
+    return tl.inline_asm_elementwise(
         _FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [blk, scale],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GPU-only twin of _dequant_mxfp4 with bf16 out and no fp32 round trip: the decode kernels'
+    SASS loop bodies shrink by about a third (docs/optimizations.md), and decode time is spent on
+    these instructions more than on bytes."""
+    lo, hi = _fp4_pairs_bf16(blk, scl)
     return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K))
 
 
