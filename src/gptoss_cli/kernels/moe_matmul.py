@@ -87,8 +87,10 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
     per_expert = num_tokens * top_k / num_experts
     if num_tokens == 1:
-        # One row per expert: matrix-vector kernels (moe_gemv.py), no padded tensor-core tile.
-        return MoeConfig("decode", 16, 16, 16, 256, num_warps=4, num_stages=3, asm_dequant=True, gemv=True)
+        # One row per expert: matrix-vector kernels (moe_gemv.py). H200, 20b, per layer: gemm1
+        # 29.9 us with 32 columns (64 W1 rows) per program vs 35.9 with 16; gemm2 18.8 us with 16
+        # rows; moe_forward 63-66 us vs 67.4 for the tiled kernels (docs/performance.md).
+        return MoeConfig("decode", 16, 32, 16, 256, num_warps=4, num_stages=3, asm_dequant=True, gemv=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
         # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise
