@@ -140,10 +140,11 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "gemv-n8": {**GEMV, "block_n1": 8, "block_n2": 8, "block_k": 512},
     "gemv-n32": {**GEMV, "block_n1": 32, "block_n2": 32},
     "gemv-n16": GEMV,  # the first default: 16 columns for both
+    "gemv-prefetch": {"gemv_prefetch": True},  # on top of the T=1 default
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "fp32deq", "tiled", "gemv-n16", "gemv-k512", "gemv-n8", "gemv-n32"],
+    1: ["default", "gemv-prefetch", "fp32deq", "tiled", "gemv-n16", "gemv-k512", "gemv-n8", "gemv-n32"],
     64: ["default", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "dot_scaled"],
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cli_helpers import run_cli
 from gptoss_cli.cli import models
@@ -550,6 +551,8 @@ def test_random_tiny_end_to_end(tmp_path, tiny):
     result = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--max-tokens", "3", "--seed", "3",
                  "--context", "256", "--token-ids", "--temperature", "0.8")
     assert result.exit_code == 3, result.stderr
+    if not torch.cuda.is_available():  # issue 8: no GPU falls back to the CPU path with a notice
+        assert "no CUDA GPU found: running random:tiny on the CPU reference path" in result.stderr
     q1, m, p, t, twin, long = read_records(out)
     for rec, kind in ((q1, "openai"), (m, "simple"), (p, "simple"), (t, "simple"), (twin, "simple")):
         assert is_ok(rec), rec

@@ -59,7 +59,7 @@ def _gemm2_split():
         "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2})
 
 
-def _gemv(which: str, block_n: int = 16, block_k: int = 256):
+def _gemv(which: str, block_n: int = 16, block_k: int = 256, prefetch: bool = False):
     from gptoss_cli.kernels import moe_gemv as mg
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
@@ -67,9 +67,10 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256):
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
         return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True})
+                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "PREFETCH": prefetch})
     pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-    return compile_sm90(mg._gemv2_kernel, pointers, {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True})
+    return compile_sm90(mg._gemv2_kernel, pointers,
+                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "PREFETCH": prefetch})
 
 
 def _decode_min_chunk():
@@ -99,6 +100,7 @@ CASES = {
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),
+    "gemv1-asm-prefetch": lambda: _gemv("gemv1", 32, prefetch=True),
 }
 
 

@@ -228,20 +228,21 @@ def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, 
     assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
 
 
+@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, gemv_prefetch=True)], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
                          [(1, 4, 96, 96, 4, torch.float32), (3, 4, 64, 96, 4, torch.bfloat16),
                           (2, 6, 96, 64, 3, torch.float32)])
-def test_gemv_stages_match_twins(device, tokens, experts, hidden, inter, top_k, dtype):
+def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter, top_k, dtype):
     # K = 96 with 64-wide K steps: the second step is half masked. 3 tokens over 4 experts with
     # top-4: every expert has 3 rows (the kernels re-read its weights per row).
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
     x = torch.randn(tokens, hidden, device=device).to(dtype)
-    r = route(torch.randn(tokens, experts, device=device), top_k, GEMV.block_m)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
     limit, alpha = 3.0, 1.702
     want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
-    act = moe_gemv1_swiglu(x, r, w, limit, alpha, GEMV)
+    act = moe_gemv1_swiglu(x, r, w, limit, alpha, config)
     assert_close(act.float(), want_act.float(), _tol(dtype, device), "gemv1+swiglu")
-    assert_close(moe_gemv2(want_act, r, w, GEMV), moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2")
+    assert_close(moe_gemv2(want_act, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2")
 
 
 def test_gemv_rejects_a_tiled_config(device):

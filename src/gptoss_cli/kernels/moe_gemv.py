@@ -34,11 +34,33 @@ def _fp4_pairs(blk, scl, ASM: tl.constexpr):
 
 
 @triton.jit
+def _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, left):
+    """One K step's activations [G, 16, 2] (fp32), packed bytes [R, G, 16] and scales [R, G];
+    `left` = K values from this step on (<= 0: everything masked, nothing read)."""
+    g_ok = g < left // 32
+    x = tl.load(x_ptrs, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+    blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
+    scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
+    return x, blk, scl
+
+
+@triton.jit
+def _gemv_step(acc, x, blk, scl, ASM: tl.constexpr):
+    """acc [R, G] += per-32-block dot products of one K step."""
+    x_even, x_odd = tl.split(x)
+    lo, hi = _fp4_pairs(blk, scl, ASM)
+    return acc + tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
+
+
+@triton.jit
 def _mx_gemv(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_R] fp32 = W[wrows, :K] @ x[:K]; x_row points at x[0], W is packed MXFP4 (K a multiple of 32)."""
+    """[BLOCK_R] fp32 = W[wrows, :K] @ x[:K]; x_row points at x[0], W is packed MXFP4 (K a multiple of 32).
+
+    PREFETCH issues the next K step's loads before this step's arithmetic. Triton software-
+    pipelines only loops around tl.dot, so without it each warp waits for its loads every step."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     j = tl.arange(0, 16)
@@ -47,16 +69,22 @@ def _mx_gemv(
     # x as [G, 16, 2]: byte j of block g holds elements 32g + 2j (low nibble) and 32g + 2j + 1.
     x_ptrs = x_row + g[:, None, None] * 32 + j[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g_ok = g < (K - k0) // 32
-        x_even, x_odd = tl.split(tl.load(x_ptrs, mask=g_ok[:, None, None], other=0.0).to(tl.float32))
-        blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-        scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-        lo, hi = _fp4_pairs(blk, scl, ASM)
-        acc += tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
-        x_ptrs += BLOCK_K
-        blk_ptrs += BLOCK_K // 2
-        scl_ptrs += G * stride_sg
+    if PREFETCH:
+        x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K)
+        for k0 in range(0, K, BLOCK_K):
+            x_ptrs += BLOCK_K
+            blk_ptrs += BLOCK_K // 2
+            scl_ptrs += G * stride_sg
+            nx, nblk, nscl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0 - BLOCK_K)
+            acc = _gemv_step(acc, x, blk, scl, ASM)
+            x, blk, scl = nx, nblk, nscl
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0)
+            acc = _gemv_step(acc, x, blk, scl, ASM)
+            x_ptrs += BLOCK_K
+            blk_ptrs += BLOCK_K // 2
+            scl_ptrs += G * stride_sg
     return tl.sum(acc, axis=1)
 
 
@@ -71,7 +99,7 @@ def _row_expert(sorted_slots_ptr, topk_ids_ptr):
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, sorted_slots_ptr, topk_ids_ptr, hidden, inter, limit, alpha,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     slot, expert = _row_expert(sorted_slots_ptr, topk_ids_ptr)
     token = slot // TOP_K
@@ -79,7 +107,7 @@ def _gemv1_swiglu_kernel(
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
     acc = _mx_gemv(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                   wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM)
+                   wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, PREFETCH)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,14 +120,14 @@ def _gemv1_swiglu_kernel(
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, sorted_slots_ptr, topk_ids_ptr, hidden, inter,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     slot, expert = _row_expert(sorted_slots_ptr, topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
     acc = _mx_gemv(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                   stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM)
+                   stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, PREFETCH)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -110,6 +138,12 @@ def _check_config(config: MoeConfig, routing: MoeRouting) -> None:
         raise ValueError(f"the gemv kernels need a MoeConfig with gemv=True and no split-K, got {config}")
     if routing.topk_ids.stride(-1) != 1 or routing.topk_weights.stride(-1) != 1:
         raise ValueError("routing top-k tensors must be contiguous")
+
+
+def _launch_options(config: MoeConfig, dtype: torch.dtype) -> dict:
+    """The launch arguments both gemv kernels take from the config."""
+    return {"BLOCK_K": config.block_k, "ASM": _dot_scaled_format(config, dtype) == "asm",
+            "PREFETCH": config.gemv_prefetch, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def moe_gemv1_swiglu(
@@ -127,8 +161,7 @@ def moe_gemv1_swiglu(
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,
-        float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
-        ASM=_dot_scaled_format(config, x.dtype) == "asm", num_warps=config.num_warps, num_stages=config.num_stages,
+        float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x.dtype),
     )  # fmt: skip
     return act
 
@@ -147,7 +180,6 @@ def moe_gemv2(
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, BLOCK_K=config.block_k, ASM=_dot_scaled_format(config, act.dtype) == "asm",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=config.block_n2, **_launch_options(config, act.dtype),
     )  # fmt: skip
     return y

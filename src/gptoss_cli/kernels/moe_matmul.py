@@ -70,6 +70,8 @@ class MoeConfig:
     # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (sorted row, column
     # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
     gemv: bool = False
+    # gemv only: load the next K step before this step's arithmetic. Off: not yet measured.
+    gemv_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
