@@ -349,6 +349,15 @@ def _long_prompt(section: str, weights, length: int) -> None:
         f"({length / (tm.first_token - tm.arrival):,.0f} prompt tok/s), total {time.time() - t:.1f} s")
 
 
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache: a rise during a run means kernels were compiled then
+    (new shapes or int specialisations), and their compile time is inside the measurement."""
+    from triton import knobs
+
+    path = Path(knobs.cache.dir)
+    return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+
+
 def _throughput(section: str, weights, requests: int, input_len: int, output_len: int) -> None:
     """All requests submitted at once; output tokens per second of wall time, prefill included,
     and the decode phase alone (after every request has its first token)."""
@@ -362,6 +371,7 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
     eng.generate(_prompts(8, [input_len], seed=3), SamplingParams(temperature=0, max_tokens=4))  # warm shapes
     for p in _prompts(requests, [input_len], seed=11):
         eng.add_request(p, params)
+    compiled_before = _triton_cache_entries()
     t0, steps, tokens, started, prefill_end, tokens_at_end = time.time(), 0, 0, set(), None, 0
     while eng.has_unfinished():
         events = eng.step()
@@ -370,13 +380,15 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
         started.update(e.request_id for e in events)
         if prefill_end is None and len(started) == requests:
             prefill_end, tokens_at_end, steps_at_end = time.time(), tokens, steps
+            compiled_prefill = _triton_cache_entries() - compiled_before
     wall = time.time() - t0
     decode_s = time.time() - prefill_end
     row(section, f"{requests} requests {input_len} in / {output_len} out",
         f"{tokens / wall:,.0f} output tok/s ({tokens} tokens in {wall:.1f} s); all started after "
         f"{prefill_end - t0:.1f} s / {steps_at_end} steps, then {(tokens - tokens_at_end) / decode_s:,.0f} tok/s "
         f"({(steps - steps_at_end)} steps, {1e3 * decode_s / max(1, steps - steps_at_end):.1f} ms/step); "
-        f"preemptions {eng.scheduler.num_preemptions}")
+        f"preemptions {eng.scheduler.num_preemptions}; Triton kernels compiled during the run: "
+        f"{compiled_prefill} before all started, {_triton_cache_entries() - compiled_before} in all")
 
 
 def section_profile(args) -> None:
