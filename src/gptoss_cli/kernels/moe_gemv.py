@@ -16,8 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_matmul import (MoeConfig, MoeWeights, _check_activation, _dot_scaled_format, _fp4_bits,
-                         _fp4_pairs_bf16, _out_buffer, _scale_fp32, _swiglu)
+from .moe_matmul import (
+    MoeConfig,
+    MoeWeights,
+    _check_activation,
+    _dot_scaled_format,
+    _fp4_bits,
+    _fp4_pairs_bf16,
+    _out_buffer,
+    _scale_fp32,
+    _swiglu,
+)
 from .moe_routing import MoeRouting
 
 
