@@ -128,13 +128,13 @@ def _setup(case: Case, device: str) -> _Setup:
     )  # fmt: skip
 
 
-GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k1": 1, "split_k2": 1}
+GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "default": {},  # T=1: matrix-vector kernels; decode: packed-bf16 (inline asm) tiles; prefill: fp32 dequant
     "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
     "dot_scaled": {"use_dot_scaled": True},
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
-    "tiled": {"gemv": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k2": 2},
+    "tiled": {"gemv": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
     "gemv-k512": {**GEMV, "block_k": 512},
     "gemv-n8": {**GEMV, "block_n1": 8, "block_n2": 8, "block_k": 512},
@@ -170,7 +170,7 @@ def _kernels(st: _Setup, variant):
     gemm1_flops, gemm2_flops = 2 * slots * c * 2 * i, 2 * slots * i * c
     router_bytes, router_flops = case.experts * c * 2, 2 * case.tokens * c * case.experts
 
-    y_out = st.y if cfg.split_k2 == 1 else torch.empty(cfg.split_k2 * slots, c, device=st.y.device)
+    y_out = st.y if cfg.split_k == 1 else torch.empty(cfg.split_k * slots, c, device=st.y.device)
 
     g1, g2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
 

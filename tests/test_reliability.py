@@ -40,16 +40,21 @@ def test_any_jsonl_line_becomes_a_request_or_an_error(data):
 config_keys = st.sampled_from(list(ModelConfig.__dataclass_fields__) + ["rope_parameters", "num_experts"])
 
 
+def _assert_loads_or_one_line_error(loader, path, data) -> None:
+    """Write `data` as JSON to `path`; `loader(path)` must load it or raise a one-line CheckpointError
+    (any other exception fails the test)."""
+    path.write_text(json.dumps(data))
+    try:
+        loader(path)
+    except CheckpointError as e:
+        assert str(e) and "\n" not in str(e)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(config_keys, json_values, max_size=8), st.booleans())
 def test_config_loader_raises_only_checkpoint_errors(tmp_path_factory, fields, gpt_oss):
     data = {**fields, "model_type": "gpt_oss"} if gpt_oss else fields
-    path = tmp_path_factory.mktemp("cfg") / "config.json"
-    path.write_text(json.dumps(data))
-    try:
-        load_model_config(path)
-    except CheckpointError as e:
-        assert str(e) and "\n" not in str(e)
+    _assert_loads_or_one_line_error(load_model_config, tmp_path_factory.mktemp("cfg") / "config.json", data)
 
 
 @settings(max_examples=150, deadline=None)
@@ -57,11 +62,7 @@ def test_config_loader_raises_only_checkpoint_errors(tmp_path_factory, fields, g
                        json_values, max_size=4))
 def test_generation_config_loader_raises_only_checkpoint_errors(tmp_path_factory, fields):
     path = tmp_path_factory.mktemp("gen") / "generation_config.json"
-    path.write_text(json.dumps(fields))
-    try:
-        load_generation_config(path)
-    except CheckpointError as e:
-        assert str(e) and "\n" not in str(e)
+    _assert_loads_or_one_line_error(load_generation_config, path, fields)
 
 
 def test_truncated_checkpoint_through_the_cli(tmp_path):

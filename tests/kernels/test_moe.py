@@ -207,7 +207,7 @@ def test_stages_match_twins(device, config, tokens, experts, hidden, inter, top_
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
                          [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])
 def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, top_k, dtype):
-    config = dataclasses.replace(DECODE, split_k1=split_k, split_k2=split_k)
+    config = dataclasses.replace(DECODE, split_k=split_k)
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)

@@ -182,6 +182,6 @@ def moe_forward(
         act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
-        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k2 == 1 else None)
+        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
     with record_function("moe.combine"):
-        return moe_combine(y, top_k, dt, splits=cfg.split_k2)
+        return moe_combine(y, top_k, dt, splits=cfg.split_k)

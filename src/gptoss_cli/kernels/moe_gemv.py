@@ -142,11 +142,15 @@ def _gemv2_kernel(
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
 
 
-def _check_config(config: MoeConfig, routing: MoeRouting) -> None:
-    if not config.gemv or config.split_k1 != 1 or config.split_k2 != 1:
+def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, name: str, shape_in: tuple,
+                    cols_out: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """Check a gemv call's config, routing and input `a` (`shape_in`); the [S, cols_out] output."""
+    if not config.gemv or config.split_k != 1:
         raise ValueError(f"the gemv kernels need a MoeConfig with gemv=True and no split-K, got {config}")
     if routing.topk_ids.stride(-1) != 1 or routing.topk_weights.stride(-1) != 1:
         raise ValueError("routing top-k tensors must be contiguous")
+    _check_activation(a, *shape_in, name)
+    return _out_buffer(out, (routing.num_tokens * routing.top_k, cols_out), dtype, a)
 
 
 def _launch_options(config: MoeConfig, dtype: torch.dtype) -> dict:
@@ -160,13 +164,10 @@ def moe_gemv1_swiglu(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, C] -> act [S, I] in x.dtype, row r for sorted row r; moe_gemm1_swiglu's contract."""
-    _check_config(config, routing)
-    _check_activation(x, routing.num_tokens, w.hidden, "x")
-    slots = routing.num_tokens * routing.top_k
-    act = _out_buffer(out, (slots, w.intermediate), x.dtype, x)
-    if slots == 0:
+    act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
+    if act.shape[0] == 0:
         return act
-    _gemv1_swiglu_kernel[(slots, triton.cdiv(w.intermediate, config.block_n1))](
+    _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,
@@ -179,13 +180,11 @@ def moe_gemv2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
-    _check_config(config, routing)
     slots = routing.num_tokens * routing.top_k
-    _check_activation(act, slots, w.intermediate, "act")
-    y = _out_buffer(out, (slots, w.hidden), torch.float32, act)
-    if slots == 0:
+    y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out)
+    if y.shape[0] == 0:
         return y
-    _gemv2_kernel[(slots, triton.cdiv(w.hidden, config.block_n2))](
+    _gemv2_kernel[(y.shape[0], triton.cdiv(w.hidden, config.block_n2))](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,

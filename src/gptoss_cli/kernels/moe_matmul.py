@@ -61,12 +61,10 @@ class MoeConfig:
     fast_math: bool = False  # tl.dot_scaled's fast_math
     # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
     asm_dequant: bool = False
-    # Decode: cut K into split_k1 (gemm1) / split_k2 (gemm2) chunks, each its own program, for
-    # more loads in flight at T=1; partial sums are finished by _swiglu_splits_kernel (gemm1)
-    # and by the combine (gemm2). H200, 20b T=1: gemm2 25.5 -> 18.8 us with 2 splits, gemm1
-    # 34.4 -> 38.8 us (the extra pass costs more than it gains), so pick_config splits gemm2 only.
-    split_k1: int = 1
-    split_k2: int = 1
+    # Decode, gemm2 only: cut K into split_k chunks, each its own program, for more loads in
+    # flight; the combine adds the partial slabs. H200, 20b T=1: gemm2 25.5 -> 18.8 us with 2
+    # splits. (gemm1 was slower split, 34.4 -> 38.8 us, and no longer has the option.)
+    split_k: int = 1
     # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (sorted row, column
     # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
     gemv: bool = False
@@ -80,9 +78,8 @@ class MoeConfig:
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
         if self.block_k < VALUES_PER_BLOCK:
             raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
-        for name in ("split_k1", "split_k2"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MoeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.split_k < 1:
+            raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
@@ -99,7 +96,7 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         # the dequantisation.
         if per_expert < 4:
             return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True,
-                             split_k2=2 if per_expert <= 1 else 1)
+                             split_k=2 if per_expert <= 1 else 1)
         return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True)
     block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     # No asm_dequant: Triton 3.6 rejects the inline-asm operand in its wgmma (M >= 64) pipeline
@@ -365,11 +362,11 @@ def _mx_matmul(
 @triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    act_ptr, stride_at, part_ptr, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
-    num_tiles, num_rows, hidden, inter, limit, alpha,
+    act_ptr, stride_at, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
+    num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr, SPLIT_K: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -377,46 +374,20 @@ def _gemm1_swiglu_kernel(
         return
     rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
-    k_lo, k_len = _k_range(hidden, SPLIT_K, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k_lo + tl.arange(0, BLOCK_K)[None, :]
+    a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
     wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
-        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
-        wrows, wrows < 2 * inter, k_len, stride_wn, stride_sg,
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
+        wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
         BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
     )  # fmt: skip
-    if SPLIT_K > 1:  # raw partial sums [SPLIT_K, S, 2I]; _swiglu_splits_kernel finishes them
-        part = part_ptr + (tl.program_id(1) * num_rows + rows[:, None]).to(tl.int64) * (2 * inter) + wrows[None, :]
-        tl.store(part, acc, mask=row_ok[:, None] & (wrows < 2 * inter)[None, :])
-    else:
-        acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = _swiglu(gate, up, limit, alpha)
-        act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
-        tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
-
-
-@triton.jit
-def _swiglu_splits_kernel(
-    part_ptr, bias_ptr, act_ptr, stride_at, sorted_slots_ptr, topk_ids_ptr, num_rows, inter, limit, alpha,
-    SPLIT_K: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """act[r] = swiglu(sum over splits of part[s, r] + b1[expert of r]) for one sorted row r."""
-    r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = cols < inter
-    expert = tl.load(topk_ids_ptr + tl.load(sorted_slots_ptr + r)).to(tl.int64)
-    gate = tl.load(bias_ptr + expert * (2 * inter) + 2 * cols, mask=ok, other=0.0)
-    up = tl.load(bias_ptr + expert * (2 * inter) + 2 * cols + 1, mask=ok, other=0.0)
-    for split in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        row = part_ptr + (split * num_rows + r).to(tl.int64) * (2 * inter)
-        gate += tl.load(row + 2 * cols, mask=ok, other=0.0)
-        up += tl.load(row + 2 * cols + 1, mask=ok, other=0.0)
+    acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     out = _swiglu(gate, up, limit, alpha)
-    tl.store(act_ptr + r.to(tl.int64) * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=ok)
+    act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
 
 
 @triton.jit
@@ -508,25 +479,16 @@ def moe_gemm1_swiglu(
     act = _out_buffer(out, (slots, w.intermediate), x.dtype, x)
     if routing.max_tiles == 0:
         return act
-    split = config.split_k1
-    part = act if split == 1 else torch.empty((split, slots, 2 * w.intermediate), dtype=torch.float32, device=x.device)
-    grid = (_grid(routing, w.intermediate, config.block_n1)[0], split)
-    _gemm1_swiglu_kernel[grid](
+    _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1)](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
-        act, act.stride(0), part, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
-        routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate, float(limit), float(alpha),
+        act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
+        routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math, SPLIT_K=split,
+        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if split > 1:
-        block_c = min(1024, triton.next_power_of_2(w.intermediate))
-        _swiglu_splits_kernel[(slots, triton.cdiv(w.intermediate, block_c))](
-            part, w.w1_bias, act, act.stride(0), routing.sorted_slots, routing.topk_ids, slots, w.intermediate,
-            float(limit), float(alpha), SPLIT_K=split, BLOCK_C=block_c,
-        )  # fmt: skip
     return act
 
 
@@ -534,22 +496,22 @@ def moe_gemm2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights.
-    With config.split_k2 = P > 1: y [P*S, C], P slabs of partial sums (moe_combine(splits=P) adds them)."""
+    With config.split_k = P > 1: y [P*S, C], P slabs of partial sums (moe_combine(splits=P) adds them)."""
     slots = routing.num_tokens * routing.top_k
     _check_activation(act, slots, w.intermediate, "act")
     if routing.block_m != config.block_m:
         raise ValueError(f"routing tiles have {routing.block_m} rows, config wants {config.block_m}")
-    y = _out_buffer(out, (config.split_k2 * slots, w.hidden), torch.float32, act)
+    y = _out_buffer(out, (config.split_k * slots, w.hidden), torch.float32, act)
     if routing.max_tiles == 0:
         return y
-    _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k2)](
+    _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
-        A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k2,
+        A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
