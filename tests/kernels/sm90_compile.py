@@ -46,6 +46,18 @@ def _combine(splits: int):
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": splits, "BLOCK_T": 1, "BLOCK_C": mm.COMBINE_BLOCK})
 
 
+def _gemm1_asm():
+    import triton.language as tl
+
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "x_ptr": "*bf16", "bias_ptr": "*fp32", "act_ptr": "*bf16"}
+    pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
+    compile_sm90(mm._gemm1_swiglu_kernel, pointers, {
+        "TOP_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False})
+
+
 def _gemm2_split():
     import triton.language as tl
 
@@ -96,6 +108,7 @@ def _decode_min_chunk():
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
+    "gemm1-asm": _gemm1_asm,
     "gemm2-split2-asm": _gemm2_split,
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
