@@ -130,21 +130,26 @@ def _setup(case: Case, device: str) -> _Setup:
 
 GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
-    "default": {},  # T=1: matrix-vector kernels; decode: packed-bf16 (inline asm) tiles; prefill: fp32 dequant
+    "default": {},  # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: fp32 dequant
     "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
     "dot_scaled": {"use_dot_scaled": True},
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
-    "tiled": {"gemv": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
+    "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
-    "gemv-k512": {**GEMV, "block_k": 512},
-    "gemv-n8": {**GEMV, "block_n1": 8, "block_n2": 8, "block_k": 512},
-    "gemv-n32": {**GEMV, "block_n1": 32, "block_n2": 32},
-    "gemv-n16": GEMV,  # the first default: 16 columns for both
-    "gemv-prefetch": {"gemv_prefetch": True},  # on top of the T=1 default
+    "gemv-fp32": {"gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
+    "gemv-prefetch": {"gemv_f16": False, "gemv_prefetch": True},
+    "f16-k512": {"block_k": 512},
+    "f16-k128": {"block_k": 128},
+    "f16-n16": {"block_n1": 16},
+    "f16-n64": {"block_n1": 64, "block_k": 128},
+    "f16-w8": {"num_warps": 8},
+    "f16-n2-32": {"block_n2": 32},
+    "f16-n2-8": {"block_n2": 8},
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "gemv-prefetch", "fp32deq", "tiled", "gemv-n16", "gemv-k512", "gemv-n8", "gemv-n32"],
+    1: ["default", "gemv-fp32", "gemv-prefetch", "f16-k512", "f16-k128", "f16-n16", "f16-n64", "f16-w8",
+        "f16-n2-32", "f16-n2-8"],
     64: ["default", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "dot_scaled"],
 }
@@ -242,11 +247,14 @@ def sweep(device: str = "cuda", smoke: bool = False) -> list[dict]:
     return rows
 
 
-def bench(device: str = "cuda", smoke: bool = False) -> list[dict]:
-    """One row per (case, kernel, variant); see _row for the fields. `smoke`: tiny shapes."""
+def bench(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None) -> list[dict]:
+    """One row per (case, kernel, variant); see _row for the fields. `smoke`: tiny shapes; `tokens`:
+    only the cases with these token counts."""
     variants = ["fp32deq", "gemv"] if device == "cpu" else []  # [] = VARIANTS_BY_TOKENS
     rows = []
     for case in SMOKE_CASES if smoke else CASES:
+        if tokens and case.tokens not in tokens:
+            continue
         rows += _bench_case(case, device, variants)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -276,13 +284,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also sweep group-dot tile settings at decode")
+    parser.add_argument("--tokens", type=int, nargs="+", help="only the cases with these token counts")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported (inside bench)
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --smoke for the CPU code path")
     device = "cpu" if args.smoke else "cuda"
-    print_table(bench(device, smoke=args.smoke))
+    print_table(bench(device, smoke=args.smoke, tokens=args.tokens))
     if args.sweep:
         print()
         print_table(sweep(device, smoke=args.smoke))

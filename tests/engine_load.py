@@ -168,14 +168,16 @@ def _gap(engine: Engine, request: LoadRequest, m: Mismatch) -> float:
 def run_load_check(engine: Engine | Callable[[], Engine], num_requests: int = 1000, seed: int = 0,
                    max_prompt: int = 600, max_new: int = 32, *, initial: int | None = None,
                    per_step: int | None = None, requests: list[LoadRequest] | None = None,
-                   diagnose: bool = True, **request_options) -> LoadReport:
+                   diagnose: bool = True, progress: Callable[[str], None] | None = None,
+                   **request_options) -> LoadReport:
     """Run the load on `engine` (or a zero-argument factory), then each request alone on the same engine.
 
     `initial` requests are queued before the first step, then `per_step` more before each step until
     all are in (defaults: a quarter at once, then about 2% of them per step), so new prompts are
     prefilled next to running decodes. `requests` overrides the generated ones; `request_options`
-    go to `make_requests`.
+    go to `make_requests`. `progress` gets a line every 250 load steps, after the load and every 100 alone runs.
     """
+    say = progress or (lambda line: None)
     t_start = time.perf_counter()
     engine = engine if isinstance(engine, Engine) else engine()
     if requests is None:
@@ -217,6 +219,9 @@ def run_load_check(engine: Engine | Callable[[], Engine], num_requests: int = 10
                 report.errors.append(f"abort of {key} returned {out and (out.finish_reason, out.token_ids)}")
         events = engine.step()
         report.steps += 1
+        if report.steps % 250 == 0:
+            say(f"load: step {report.steps}, {len(pending)} not yet queued, {len(outputs)} done, "
+                f"{time.perf_counter() - t:.1f}s")
         report.max_concurrent = max(report.max_concurrent, len(events))
         report.mixed_steps += len({ev.index == 0 for ev in events}) == 2
         idle_steps = 0 if events else idle_steps + 1
@@ -239,12 +244,15 @@ def run_load_check(engine: Engine | Callable[[], Engine], num_requests: int = 10
                 outputs[ev.request_id] = ev.output
                 report.cached_prompt_tokens += ev.output.cached_prompt_tokens
     report.load_seconds = time.perf_counter() - t
+    say(f"load: {report.steps} steps, {report.generated_tokens} tokens in {report.load_seconds:.1f}s")
     report.aborted = len(aborted)
     report.free_blocks_after_load = _free_blocks(engine)
 
     # ---- each completed request alone, compared token by token -----------------------------
     t = time.perf_counter()
-    for r in requests if not stuck else []:  # a stuck engine would hang in generate() too
+    for done, r in enumerate(requests if not stuck else []):  # a stuck engine would hang in generate() too
+        if done and done % 100 == 0:
+            say(f"alone: {done}/{n} in {time.perf_counter() - t:.1f}s")
         key = rid[r.index]
         if key in aborted:
             continue

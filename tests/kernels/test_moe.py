@@ -228,7 +228,9 @@ def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, 
     assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
 
 
-@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, gemv_prefetch=True)], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, gemv_prefetch=True),
+                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
+                         ids=["plain", "prefetch", "f16"])  # the interpreter runs f16 configs in fp32
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
                          [(1, 4, 96, 96, 4, torch.float32), (3, 4, 64, 96, 4, torch.bfloat16),
                           (2, 6, 96, 64, 3, torch.float32)])
@@ -239,10 +241,28 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
     limit, alpha = 3.0, 1.702
-    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)  # sorted rows; the gemv kernels use slot order
+    in_slot_order = want_act[r.slot_rows.long()]
     act = moe_gemv1_swiglu(x, r, w, limit, alpha, config)
-    assert_close(act.float(), want_act.float(), _tol(dtype, device), "gemv1+swiglu")
-    assert_close(moe_gemv2(want_act, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2")
+    assert_close(act.float(), in_slot_order.float(), _tol(dtype, device), "gemv1+swiglu")
+    assert_close(moe_gemv2(in_slot_order, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(dtype, device),
+                 "gemv2")
+
+
+def test_gemv_forward_skips_the_sort(device):
+    # route(sort=False) fills only the top-k tensors; moe_forward's gemv path must not need the rest.
+    experts, hidden, inter, top_k = 4, 64, 64, 2
+    raw = _raw_weights(experts, hidden, inter, device)
+    x = torch.randn(1, hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    r = moe_routing.MoeRouting.allocate(1, experts, top_k, GEMV.block_m, x.device).narrow(1, GEMV.block_m)
+    r.sorted_slots.fill_(-7)
+    logits = x @ rw.T + rb
+    route(logits, top_k, GEMV.block_m, out=r, sort=False)
+    assert torch.equal(r.topk_ids.long(), route_ref(logits, top_k)[1])
+    assert (r.sorted_slots == -7).all()
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, config=GEMV)
+    assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "gemv forward vs moe_ref")
 
 
 def test_gemv_rejects_a_tiled_config(device):
@@ -365,8 +385,8 @@ def test_benchmark_smoke(monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True}],
-                         ids=["default", "fp32deq", "dot_scaled"])
+@pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True}, {"gemv_f16": False}],
+                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
@@ -382,8 +402,9 @@ def test_real_shapes_bf16(tokens, variant):
 
 @requires_gpu
 @pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE,
-                                    dataclasses.replace(GEMV, asm_dequant=True), GEMV],
-                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq"])
+                                    dataclasses.replace(GEMV, asm_dequant=True), GEMV,
+                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
+                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq", "gemv-f16"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
     inter, hidden = 128, 192
@@ -394,6 +415,25 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     act = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
     y = (moe_gemv2 if config.gemv else moe_gemm2)(act, r, w, config)
     assert torch.equal(y, dequantize_mxfp4(b2[0], s2[0]).T.contiguous())
+
+
+@requires_gpu
+@pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
+    # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
+    # must redo its rows in fp32 and still match the twin.
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
+    config = pick_config(1, experts, top_k)
+    assert config.gemv and config.gemv_f16
+    x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
+    r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)
+    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config)
+    want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)  # sorted rows; gemv: slot order
+    assert torch.isfinite(act.float()).all()
+    assert rel_err(act, want[r.slot_rows.long()]) < 1e-2
+    y = moe_gemv2(want[r.slot_rows.long()], r, w, config)
+    assert rel_err(y, moe_gemm2_ref(want, r, w)) < 1e-2
 
 
 @requires_gpu

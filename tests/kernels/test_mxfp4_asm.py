@@ -1,13 +1,17 @@
-"""The inline PTX that dequantises MXFP4 to bf16 (moe_matmul._FP4_TO_BF16_ASM), run on the CPU by a
-small emulator of the instructions it uses, for every byte value and a range of scales. The GPU
-test (test_moe.py::test_bf16_dequantisation_is_exact_over_the_scale_range) checks the hardware;
-this one checks the bit logic where CI runs, and fails on any instruction it does not know."""
+"""The inline PTX of the MoE kernels, run on the CPU by a small emulator of the instructions it uses:
+the MXFP4 -> bf16 dequantisation (moe_matmul._FP4_TO_BF16_ASM) for every byte value and a range of
+scales, and the packed-fp16 block dot product of the gemv kernels (moe_gemv._FP4_DOT_F16_ASM,
+_X_PAIR_F16_ASM). The GPU tests (test_moe.py) check the hardware; these check the bit logic where
+CI runs, and fail on any instruction the emulator does not know."""
 
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
+from gptoss_cli.kernels.moe_gemv import _FP4_DOT_F16_ASM, _X_PAIR_F16_ASM
 from gptoss_cli.kernels.moe_matmul import _FP4_TO_BF16_ASM
 from gptoss_cli.kernels.mxfp4 import FP4_VALUES
 
@@ -34,7 +38,36 @@ def _fma_bf16x2(a: int, b: int, c: int) -> int:
 
 def _prmt(a: int, b: int, sel: int) -> int:
     pool = a | (b << 32)
-    return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 15
+        byte = (pool >> (8 * (nib & 7))) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)  # bit 3: replicate the sign
+    return out
+
+
+def _f16(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
+
+
+def _f16_bits(value: float) -> int:
+    return int(np.array([value], dtype=np.float16).view(np.uint16)[0])  # round to nearest even
+
+
+def _f32(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
+def _f32_bits(value: float) -> int:
+    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
+
+
+def _fma_f16x2(a: int, b: int, c: int) -> int:
+    out = 0
+    for half in (0, 16):
+        x, y, z = (_f16((v >> half) & 0xFFFF) for v in (a, b, c))
+        out |= _f16_bits(x * y + z) << half  # fp16 operands: product and sum exact in fp64, one rounding
+    return out
 
 
 def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
@@ -47,6 +80,11 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         stmt = stmt.strip(" {}")
         if not stmt or stmt.startswith(".reg"):
             continue
+        unpack = re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\w+)", stmt)
+        if unpack:
+            lo, hi, src = unpack.groups()
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
         op, args = stmt.split(None, 1)
         dst, *src = [a.strip() for a in args.split(",")]
         v = [val(t) for t in src]
@@ -56,6 +94,16 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = _prmt(*v)
         elif op == "shl.b32":
             regs[dst] = (v[0] << v[1]) & MASK
+        elif op == "shr.b32":
+            regs[dst] = v[0] >> v[1]
+        elif op == "fma.rn.f16x2":
+            regs[dst] = _fma_f16x2(*v)
+        elif op == "cvt.f32.f16":
+            regs[dst] = _f32_bits(_f16(v[0]))
+        elif op == "add.f32":
+            regs[dst] = _f32_bits(np.float32(_f32(v[0])) + np.float32(_f32(v[1])))
+        elif op == "cvt.rn.f16x2.f32":
+            regs[dst] = (_f16_bits(_f32(v[0])) << 16) | _f16_bits(_f32(v[1]))
         elif op == "and.b32":
             regs[dst] = v[0] & v[1]
         elif op == "or.b32":
@@ -81,3 +129,47 @@ def test_asm_dequantises_every_byte_exactly(scale_byte):
             byte = first + i
             assert _bf16(lo[i]) == FP4_VALUES[byte & 15] * scale, (byte, scale_byte, "low nibble")
             assert _bf16(hi[i]) == FP4_VALUES[byte >> 4] * scale, (byte, scale_byte, "high nibble")
+
+
+def _word(nibbles: list[int]) -> int:
+    """8 FP4 codes (value i of the word first) -> the little-endian 32-bit word of 4 packed bytes."""
+    return sum(n << (4 * i) for i, n in enumerate(nibbles))
+
+
+def _f16_pair(lo: float, hi: float) -> int:
+    return _f16_bits(lo) | (_f16_bits(hi) << 16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_f16_block_dot_is_exact_on_representable_sums(seed):
+    """Integer activations in [-4, 4]: every product and partial sum is exact in fp16, so the asm must
+    return the exact dot product; any wrong nibble, sign or pairing changes it."""
+    rng = random.Random(seed)
+    codes = [rng.randrange(16) for _ in range(32)]
+    x = [float(rng.randint(-4, 4)) for _ in range(32)]
+    regs = {f"${1 + j}": _word(codes[8 * j:8 * j + 8]) for j in range(4)}
+    for j in range(4):
+        for i in range(4):
+            regs[f"${5 + 4 * i + j}"] = _f16_pair(x[8 * j + i], x[8 * j + i + 4])
+    got = _f32(_run(str(_FP4_DOT_F16_ASM.value), regs)["$0"])
+    assert got == sum(FP4_VALUES[c] * v for c, v in zip(codes, x))
+
+
+def test_f16_block_dot_covers_every_code_in_every_position():
+    """One code in one position at a time, the others zero: the result is that value times its x."""
+    for pos in range(32):
+        for code in range(16):
+            codes = [0] * 32
+            codes[pos] = code
+            regs = {f"${1 + j}": _word(codes[8 * j:8 * j + 8]) for j in range(4)}
+            for j in range(4):
+                for i in range(4):
+                    regs[f"${5 + 4 * i + j}"] = _f16_pair(1.0 + 8 * j + i, 1.0 + 8 * j + i + 4)
+            got = _f32(_run(str(_FP4_DOT_F16_ASM.value), regs)["$0"])
+            assert got == FP4_VALUES[code] * (1.0 + pos), (pos, code)
+
+
+def test_x_pair_conversion_packs_fp16_low_half_first():
+    for lo, hi in [(1.0, -2.5), (3.140625, 60000.0), (1e-3, -7e-6), (0.0, -0.0)]:
+        out = _run(str(_X_PAIR_F16_ASM.value), {"$1": _f32_bits(lo), "$2": _f32_bits(hi)})["$0"]
+        assert (_f16(out & 0xFFFF), _f16(out >> 16)) == (float(np.float16(lo)), float(np.float16(hi)))

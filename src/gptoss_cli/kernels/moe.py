@@ -176,7 +176,7 @@ def moe_forward(
         # The same function as moe_ref, so the logits (and hence the chosen experts) match bit for bit.
         logits = router_logits(x, router_weight, router_bias)
     with record_function("moe.route"):
-        routing = route(logits, top_k, cfg.block_m, out=bufs[0])
+        routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
     gemm1, gemm2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
     with record_function("moe.w1+swiglu"):
         act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])

@@ -1,13 +1,21 @@
 """Matrix-vector MoE kernels for about one row per expert (batch-1 decode), from the packed bytes.
 
-Same contract as moe_gemm1_swiglu / moe_gemm2 (moe_matmul.py): act in sorted-row order, y in slot
-order and scaled by the routing weight. The tiled kernels pad each expert's rows to a 16-row
+Contract of moe_gemm1_swiglu / moe_gemm2 (moe_matmul.py) except for the row order of act: slot
+order here, so only the routing's top-k tensors are read and route(sort=False) may skip the sort
+kernel (2.9 us per layer at T=1). y is in slot order and scaled by the routing weight. The tiled kernels pad each expert's rows to a 16-row
 tensor-core tile and pass every dequantised weight through shared memory into mma; with one real
 row that is 15/16 wasted work and a shared-memory round trip per K step. Here a program owns one
-sorted row and BLOCK_R weight rows and keeps everything in registers: each thread dequantises
+slot (token, choice) and BLOCK_R weight rows and keeps everything in registers: each thread dequantises
 whole 16-byte blocks (32 values of one row, one scale), multiplies them with the matching x values
 and sums them in place; the rows' dot products are reduced across threads once, after the K loop.
-Rows of one expert are neighbouring programs, so a weight tile read twice mostly comes from L2.
+Meant for one row per expert: a second row of the same expert re-reads its weights (from L2).
+
+F16 (GPU, bf16 activations): the dot products run in packed fp16 inside one piece of inline PTX
+per 32-value block (_FP4_DOT_F16_ASM), about 6 instructions per weight byte instead of ~16 for
+dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations are exact in fp16 and
+so are their products; the 16 products per half-register are summed in fp16 (relative error
+~2**-11 per add, below the bf16 rounding of the output), then in fp32 with the block scale. A
+block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows in fp32.
 """
 
 from __future__ import annotations
@@ -40,6 +48,103 @@ def _fp4_pairs(blk, scl, ASM: tl.constexpr):
     scale = _scale_fp32(scl)[:, :, None]
     return (lo.to(tl.float16, bitcast=True).to(tl.float32) * scale,
             hi.to(tl.float16, bitcast=True).to(tl.float32) * scale)
+
+
+# Byte LUT: the high byte of the fp16 encoding of FP4 magnitude m (0, .5, 1, 1.5, 2, 3, 4, 6); the
+# low byte is 0 for all of them. prmt picks bytes of {lut_lo, lut_hi} by 4-bit selectors, so a
+# selector word with nibbles (0, m_a, 0, m_b) yields the fp16x2 pair (m_a, m_b) in one instruction.
+# Per 32-bit weight word w (bytes B0..B3, nibble n_i = value i of the word, low nibble first):
+# wp = (B1, B3, B0, B2) puts the magnitudes of n_i and n_(i+4) 8 bits apart for i = 0..3, and the
+# sign of n_i sits at bit 4i+3 of w, 16 bits below that of n_(i+4), so one shift lines both up with
+# the fp16 sign bits. Operands, one block per call (pack=1, so no layout can split a block across
+# threads): $0 = the block's unscaled dot product (fp32), words in $1..$4, pair i of word j
+# (x_i, x_(i+4)) in $(5+4i+j). 16 fp16 FMAs accumulate two half sums, added in fp32 at the end.
+_FP4_DOT_F16_PAIR = """
+{sel} and.b32 s, s, 0x7070; prmt.b32 m, lut_lo, lut_hi, s;
+{sign} and.b32 t, t, 0x80008000; or.b32 m, m, t; fma.rn.f16x2 acc, m, {x}, acc;"""
+
+
+def _fp4_dot_f16_asm() -> str:
+    body = []
+    for j in range(4):
+        w = f"${1 + j}"
+        body.append(f"\nprmt.b32 wp, {w}, 0, 0x2031;")
+        sels = ["shr.b32 s, wp, 12;", "shr.b32 s, wp, 16;", "shl.b32 s, wp, 4;", "mov.b32 s, wp;"]
+        signs = [f"shl.b32 t, {w}, 12;", f"shl.b32 t, {w}, 8;", f"shl.b32 t, {w}, 4;", f"mov.b32 t, {w};"]
+        for i in range(4):
+            body.append(_FP4_DOT_F16_PAIR.format(sel=sels[i], sign=signs[i], x=f"${5 + 4 * i + j}"))
+    return (
+        "{\n.reg .b32 wp, s, t, m, acc, lut_lo, lut_hi;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\n"
+        "mov.b32 lut_lo, 0x3E3C3800; mov.b32 lut_hi, 0x46444240; mov.b32 acc, 0;"
+        + "".join(body)
+        + "\nmov.b32 {h0, h1}, acc; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; add.f32 f0, f0, f1;"
+        "\nmov.b32 $0, f0;\n}"
+    )
+
+
+_FP4_DOT_F16_ASM = tl.constexpr(_fp4_dot_f16_asm())
+_FP4_DOT_F16_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 20))
+# (x_i, x_(i+4)) as fp32 -> one fp16x2 register, x_i in the low half (round to nearest: exact for
+# bf16 values in fp16's normal range).
+_X_PAIR_F16_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+
+
+@triton.jit
+def _quarters(t):
+    """[A, 4] -> its 4 columns, in order."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # column 2u + v: a holds v = 0, b v = 1
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _x_pairs_f16(x_ptr, g, left):
+    """The activations of G blocks as the asm's fp16x2 pairs: 16 int32 tensors [G], pair i of word j
+    (i-major) = (x[32g + 8j + i], x[32g + 8j + i + 4]); `left` as in _gemv_loads."""
+    g_ok = g < left // 32
+    offs = g[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[None, None, :] * 8  # [G, i, j]
+    lo = tl.load(x_ptr + offs, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + offs + 4, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+    pairs = tl.inline_asm_elementwise(_X_PAIR_F16_ASM, "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+    pairs = tl.reshape(pairs, (g.shape[0] * 4, 4))  # [(G, i), j]
+    q0, q1, q2, q3 = _quarters(pairs)  # [(G, i)] for j = 0..3
+    a0, a1, a2, a3 = _quarters(tl.reshape(q0, (g.shape[0], 4)))  # [G] for i = 0..3, j = 0
+    b0, b1, b2, b3 = _quarters(tl.reshape(q1, (g.shape[0], 4)))
+    c0, c1, c2, c3 = _quarters(tl.reshape(q2, (g.shape[0], 4)))
+    d0, d1, d2, d3 = _quarters(tl.reshape(q3, (g.shape[0], 4)))
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
+def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """_mx_gemv with packed-fp16 block dot products (module docstring); NaN/inf where a block
+    overflowed fp16."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    words = w_base.to(tl.pointer_type(tl.int32))
+    w_ptrs = words + wrows[:, None, None] * (stride_wn // 4) + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
+    acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g_ok = g < (K - k0) // 32
+        w = tl.load(w_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
+        scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _x_pairs_f16(x_row + k0, g, K - k0)
+        w0, w1, w2, w3 = _quarters(tl.reshape(w, (BLOCK_R * G, 4)))
+        dot = tl.inline_asm_elementwise(
+            _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
+            [tl.reshape(w0, (BLOCK_R, G)), tl.reshape(w1, (BLOCK_R, G)), tl.reshape(w2, (BLOCK_R, G)),
+             tl.reshape(w3, (BLOCK_R, G)),
+             a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :], c1[None, :], d1[None, :],
+             a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+        acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        w_ptrs += BLOCK_K // 8
+        scl_ptrs += G * stride_sg
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -98,25 +203,42 @@ def _mx_gemv(
 
 
 @triton.jit
-def _row_expert(sorted_slots_ptr, topk_ids_ptr):
-    """(slot, expert) of this program's sorted row (grid axis 0)."""
-    slot = tl.load(sorted_slots_ptr + tl.program_id(0))
+def _row_dots(
+    x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, F16: tl.constexpr,
+):  # fmt: skip
+    """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
+    if F16:
+        acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K)
+        if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
+            # Short K steps: this rare path must not raise the kernel's register count.
+            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False, False)
+    else:
+        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM, PREFETCH)
+    return acc
+
+
+@triton.jit
+def _slot_expert(topk_ids_ptr):
+    """(slot, expert) of this program's row (grid axis 0 = slot)."""
+    slot = tl.program_id(0)
     return slot, tl.load(topk_ids_ptr + slot).to(tl.int64)
 
 
 @triton.jit
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    act_ptr, stride_at, sorted_slots_ptr, topk_ids_ptr, hidden, inter, limit, alpha,
+    act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    F16: tl.constexpr,
 ):  # fmt: skip
-    slot, expert = _row_expert(sorted_slots_ptr, topk_ids_ptr)
+    slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
-    acc = _mx_gemv(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                   wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, PREFETCH)
+    acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, PREFETCH, F16)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,15 +250,15 @@ def _gemv1_swiglu_kernel(
 @triton.jit
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    y_ptr, stride_yt, gamma_ptr, sorted_slots_ptr, topk_ids_ptr, hidden, inter,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
-    slot, expert = _row_expert(sorted_slots_ptr, topk_ids_ptr)
+    slot, expert = _slot_expert(topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
-    acc = _mx_gemv(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                   stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, PREFETCH)
+    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
+                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, PREFETCH, F16)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -155,22 +277,23 @@ def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, nam
 
 def _launch_options(config: MoeConfig, dtype: torch.dtype) -> dict:
     """The launch arguments both gemv kernels take from the config."""
-    return {"BLOCK_K": config.block_k, "ASM": _dot_scaled_format(config, dtype) == "asm",
-            "PREFETCH": config.gemv_prefetch, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    asm = _dot_scaled_format(config, dtype) == "asm"
+    return {"BLOCK_K": config.block_k, "ASM": asm, "PREFETCH": config.gemv_prefetch, "F16": asm and config.gemv_f16,
+            "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def moe_gemv1_swiglu(
     x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float, config: MoeConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, C] -> act [S, I] in x.dtype, row r for sorted row r; moe_gemm1_swiglu's contract."""
+    """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows)."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
-        act, act.stride(0), routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,
+        act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate,
         float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x.dtype),
     )  # fmt: skip
     return act
@@ -179,7 +302,7 @@ def moe_gemv1_swiglu(
 def moe_gemv2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
+    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
     slots = routing.num_tokens * routing.top_k
     y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out)
     if y.shape[0] == 0:
@@ -187,7 +310,7 @@ def moe_gemv2(
     _gemv2_kernel[(y.shape[0], triton.cdiv(w.hidden, config.block_n2))](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
-        y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.topk_ids, w.hidden, w.intermediate,
+        y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
         BLOCK_N=config.block_n2, **_launch_options(config, act.dtype),
     )  # fmt: skip
     return y

@@ -70,6 +70,8 @@ class MoeConfig:
     gemv: bool = False
     # gemv only: load the next K step before this step's arithmetic. Off: not yet measured.
     gemv_prefetch: bool = False
+    # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
+    gemv_f16: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -86,10 +88,11 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
     per_expert = num_tokens * top_k / num_experts
     if num_tokens == 1:
-        # One row per expert: matrix-vector kernels (moe_gemv.py). H200, 20b, per layer: gemm1
-        # 29.9 us with 32 columns (64 W1 rows) per program vs 35.9 with 16; gemm2 18.8 us with 16
-        # rows; moe_forward 63-66 us vs 67.4 for the tiled kernels (docs/performance.md).
-        return MoeConfig("decode", 16, 32, 16, 256, num_warps=4, num_stages=3, asm_dequant=True, gemv=True)
+        # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
+        # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
+        # with 32 columns, 41.2 in fp32); gemm2 11.9 us with 16 rows (19.5 in fp32).
+        return MoeConfig("decode", 16, 16, 16, 512, num_warps=4, num_stages=3, asm_dequant=True, gemv=True,
+                         gemv_f16=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
         # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise

@@ -258,10 +258,13 @@ def _check_route_args(logits: torch.Tensor, top_k: int, block_m: int) -> None:
         raise ValueError(f"block_m must be a power of two, got {block_m}")
 
 
-def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None = None) -> MoeRouting:
+def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None = None,
+          sort: bool = True) -> MoeRouting:
     """[T, E] router logits -> MoeRouting with tiles of `block_m` rows (two kernel launches).
 
     `out`, when given, must have been made by MoeRouting.allocate(...).narrow(T, block_m).
+    sort=False launches only the top-k kernel: topk_weights and topk_ids are valid, every other
+    field is left as it was (the matrix-vector kernels read slots in order and need nothing else).
     """
     _check_route_args(logits, top_k, block_m)
     if logits.stride(1) != 1:
@@ -283,6 +286,8 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None
         logits, logits.stride(0), out.topk_weights, out.topk_ids, out.block_hist, num_tokens, num_experts,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )  # fmt: skip
+    if not sort:
+        return out
     _sort_slots_kernel[(num_blocks,)](
         out.topk_ids, out.block_hist, out.expert_counts, out.expert_offsets, out.sorted_slots, out.slot_rows,
         out.tile_expert, out.tile_row_start, num_tokens, num_experts, num_blocks, out.max_tiles,
