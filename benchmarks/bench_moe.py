@@ -137,7 +137,6 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
     "gemv-fp32": {"gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
-    "gemv-prefetch": {"gemv_f16": False, "gemv_prefetch": True},
     "f16-k512": {"block_k": 512},
     "f16-k128": {"block_k": 128},
     "f16-n16": {"block_n1": 16},
@@ -148,7 +147,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "gemv-fp32", "gemv-prefetch", "f16-k512", "f16-k128", "f16-n16", "f16-n64", "f16-w8",
+    1: ["default", "gemv-fp32", "f16-k512", "f16-k128", "f16-n16", "f16-n64", "f16-w8",
         "f16-n2-32", "f16-n2-8"],
     64: ["default", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "dot_scaled"],

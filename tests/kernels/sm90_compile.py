@@ -71,8 +71,7 @@ def _gemm2_split():
         "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2})
 
 
-def _gemv(which: str, block_n: int = 16, block_k: int = 256, prefetch: bool = False, f16: bool = False,
-          num_warps: int = 4):
+def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
     from gptoss_cli.kernels import moe_gemv as mg
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
@@ -80,11 +79,11 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, prefetch: bool = Fa
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
         return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "PREFETCH": prefetch,
-                             "F16": f16}, num_warps)
+                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16},
+                            num_warps)
     pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
     return compile_sm90(mg._gemv2_kernel, pointers,
-                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "PREFETCH": prefetch, "F16": f16},
+                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16},
                         num_warps)
 
 
@@ -116,9 +115,8 @@ CASES = {
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),
-    "gemv1-asm-prefetch": lambda: _gemv("gemv1", 32, prefetch=True),
-    "gemv1-f16": lambda: _gemv("gemv1", 32, f16=True),
-    "gemv2-f16": lambda: _gemv("gemv2", 16, f16=True),
+    "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
+    "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }
 
 

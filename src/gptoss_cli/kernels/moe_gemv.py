@@ -169,12 +169,10 @@ def _gemv_step(acc, x, blk, scl, ASM: tl.constexpr):
 @triton.jit
 def _mx_gemv(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_R] fp32 = W[wrows, :K] @ x[:K]; x_row points at x[0], W is packed MXFP4 (K a multiple of 32).
-
-    PREFETCH issues the next K step's loads before this step's arithmetic. Triton software-
-    pipelines only loops around tl.dot, so without it each warp waits for its loads every step."""
+    Dequantise to fp32 (bf16 inline asm when ASM), then FMA: the interpreter's path and the fallback."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     j = tl.arange(0, 16)
@@ -183,38 +181,28 @@ def _mx_gemv(
     # x as [G, 16, 2]: byte j of block g holds elements 32g + 2j (low nibble) and 32g + 2j + 1.
     x_ptrs = x_row + g[:, None, None] * 32 + j[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
-    if PREFETCH:
-        x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K)
-        for k0 in range(0, K, BLOCK_K):
-            x_ptrs += BLOCK_K
-            blk_ptrs += BLOCK_K // 2
-            scl_ptrs += G * stride_sg
-            nx, nblk, nscl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0 - BLOCK_K)
-            acc = _gemv_step(acc, x, blk, scl, ASM)
-            x, blk, scl = nx, nblk, nscl
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0)
-            acc = _gemv_step(acc, x, blk, scl, ASM)
-            x_ptrs += BLOCK_K
-            blk_ptrs += BLOCK_K // 2
-            scl_ptrs += G * stride_sg
+    for k0 in range(0, K, BLOCK_K):
+        x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0)
+        acc = _gemv_step(acc, x, blk, scl, ASM)
+        x_ptrs += BLOCK_K
+        blk_ptrs += BLOCK_K // 2
+        scl_ptrs += G * stride_sg
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, F16: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
     if F16:
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K)
         if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
             # Short K steps: this rare path must not raise the kernel's register count.
-            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False, False)
+            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False)
     else:
-        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM, PREFETCH)
+        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM)
     return acc
 
 
@@ -229,8 +217,7 @@ def _slot_expert(topk_ids_ptr):
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-    F16: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
@@ -238,7 +225,7 @@ def _gemv1_swiglu_kernel(
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, PREFETCH, F16)
+                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,14 +238,14 @@ def _gemv1_swiglu_kernel(
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, F16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     slot, expert = _slot_expert(topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
     acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, PREFETCH, F16)
+                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -278,7 +265,7 @@ def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, nam
 def _launch_options(config: MoeConfig, dtype: torch.dtype) -> dict:
     """The launch arguments both gemv kernels take from the config."""
     asm = _dot_scaled_format(config, dtype) == "asm"
-    return {"BLOCK_K": config.block_k, "ASM": asm, "PREFETCH": config.gemv_prefetch, "F16": asm and config.gemv_f16,
+    return {"BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
             "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 

@@ -68,8 +68,6 @@ class MoeConfig:
     # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (sorted row, column
     # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
     gemv: bool = False
-    # gemv only: load the next K step before this step's arithmetic. Off: not yet measured.
-    gemv_prefetch: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
 
