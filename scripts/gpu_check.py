@@ -350,13 +350,23 @@ def _long_prompt(section: str, weights, length: int) -> None:
         f"({length / (tm.first_token - tm.arrival):,.0f} prompt tok/s), total {time.time() - t:.1f} s")
 
 
-def _triton_cache_entries() -> int:
-    """Kernels in Triton's on-disk cache: a rise during a run means kernels were compiled then
+def _triton_cache_entries() -> set[str]:
+    """Entries of Triton's on-disk cache: new ones during a run mean kernels were compiled then
     (new shapes or int specialisations), and their compile time is inside the measurement."""
     from triton import knobs
 
     path = Path(knobs.cache.dir)
-    return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+    return {p.name for p in path.iterdir()} if path.is_dir() else set()
+
+
+def _compiled_names(entries: set[str]) -> str:
+    """The kernel names of Triton cache entries (their .cubin files), counted."""
+    from collections import Counter
+
+    from triton import knobs
+
+    names = Counter(f.stem for e in entries for f in (Path(knobs.cache.dir) / e).glob("*.cubin"))
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in sorted(names.items())) or "none"
 
 
 def _throughput(section: str, weights, requests: int, input_len: int, output_len: int) -> None:
@@ -381,7 +391,7 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
         started.update(e.request_id for e in events)
         if prefill_end is None and len(started) == requests:
             prefill_end, tokens_at_end, steps_at_end = time.time(), tokens, steps
-            compiled_prefill = _triton_cache_entries() - compiled_before
+            compiled_prefill = len(_triton_cache_entries() - compiled_before)
     wall = time.time() - t0
     decode_s = time.time() - prefill_end
     row(section, f"{requests} requests {input_len} in / {output_len} out",
@@ -389,7 +399,8 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
         f"{prefill_end - t0:.1f} s / {steps_at_end} steps, then {(tokens - tokens_at_end) / decode_s:,.0f} tok/s "
         f"({(steps - steps_at_end)} steps, {1e3 * decode_s / max(1, steps - steps_at_end):.1f} ms/step); "
         f"preemptions {eng.scheduler.num_preemptions}; Triton kernels compiled during the run: "
-        f"{compiled_prefill} before all started, {_triton_cache_entries() - compiled_before} in all")
+        f"{compiled_prefill} before all started, {len(_triton_cache_entries() - compiled_before)} in all "
+        f"({_compiled_names(_triton_cache_entries() - compiled_before)})")
 
 
 def section_profile(args) -> None:

@@ -85,3 +85,29 @@ def test_chunked_prefill_and_preemption_keep_tokens(ref):
     out = [o.token_ids for o in small.generate(prompts, GREEDY)]
     assert small.scheduler.num_preemptions > 0
     assert out == [_ref_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_warm_up_step_sizes_cover_every_compile_class():
+    from gptoss_cli.kernels.moe import pick_config
+    from gptoss_cli.runtime.gpu.warmup import step_sizes
+
+    sizes = step_sizes(8192, 32, 4)
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 8192 and len(sizes) < 20
+
+    def key(t):
+        return pick_config(t, 32, 4), t == 1, t % 16 == 0
+
+    warmed = {key(t) for t in sizes}
+    assert all(key(t) in warmed for t in range(1, 8193))
+
+
+def test_warm_up_leaves_the_engine_idle_with_every_block_free(engine):
+    # On the CPU the warm-up is off by default (interpreter steps cost seconds); forced here, small.
+    warmed = _engine(max_step_tokens=8, warm_up=True)
+    assert not warmed.has_unfinished() and warmed.num_steps == 0
+    assert warmed.kv.full.num_cached == 0 and warmed.kv.slide.num_cached == 0
+    assert warmed.free_blocks() == (warmed.kv.full.num_blocks - 1, warmed.kv.slide.num_blocks - 1)
+    prompt = _prompt(6, seed=11)
+    out = warmed.generate([prompt], GREEDY)[0]
+    assert out.cached_prompt_tokens == 0
+    assert out.token_ids == engine.generate([prompt], GREEDY)[0].token_ids

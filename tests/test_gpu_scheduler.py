@@ -194,3 +194,15 @@ def test_simulation_with_one_token_prompts_under_pressure(seed):
             for _ in range(30)]
     _, sched, _ = _sim(max_batch=8, full_blocks=24, slide_blocks=60, budget=32, requests=reqs, seed=seed)
     assert sched.num_preemptions > 0
+
+
+def test_drop_cached_frees_unheld_cached_blocks_only():
+    pool = BlockPool(5)
+    held, cached = pool.allocate(), pool.allocate()
+    pool.register(held, chain_hash(None, [1]))
+    pool.register(cached, chain_hash(None, [2]))
+    pool.release(cached)  # refcount 0: evictable, still findable
+    assert pool.num_cached == 1 and pool.lookup(chain_hash(None, [2])) == cached
+    pool.drop_cached()
+    assert pool.num_cached == 0 and pool.lookup(chain_hash(None, [2])) is None
+    assert pool.lookup(chain_hash(None, [1])) == held and pool.num_free == 3

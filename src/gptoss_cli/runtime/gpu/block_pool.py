@@ -87,6 +87,13 @@ class BlockPool:
         self._hash_of[block] = block_hash
         self._by_hash[block_hash] = block
 
+    def drop_cached(self) -> None:
+        """Forget every cached block that no sequence holds; they become plain free blocks."""
+        for block in self._evictable:
+            self._forget_hash(block)
+            self._free.append(block)
+        self._evictable.clear()
+
     def _forget_hash(self, block: int) -> None:
         h = self._hash_of.pop(block, None)
         if h is not None:

@@ -23,6 +23,7 @@ from .preflight import check_device, kv_budget_bytes
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .warmup import warm_eager_steps
 from .weights import prepare_weights
 
 
@@ -36,6 +37,9 @@ class GpuEngineConfig:
     cuda_graphs: bool = True
     kv_memory_bytes: int | None = None  # fixed KV budget instead of sizing from free memory
     dtype: str = "bfloat16"  # activations, KV and dense weights; float32 for exactness checks
+    # Compile the eager (prompt and mixed) steps' kernels at start (warmup.py). None: on CUDA only
+    # (under the CPU interpreter every step costs seconds).
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -69,6 +73,11 @@ class GpuEngine(Engine):
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes
         self.num_steps = 0
+        if opts.warm_up if opts.warm_up is not None else torch.device(device).type == "cuda":
+            warm_eager_steps(self, opts.max_step_tokens,
+                             (lambda i, n: progress("compiling prompt kernels", i, n)) if progress else None)
+            self.kv.drop_prefix_cache()
+            self.num_steps = 0
 
     # ---- Engine API ----------------------------------------------------------------------
     def _admit(self, request_id, prompt, params, seed) -> RequestOutput:

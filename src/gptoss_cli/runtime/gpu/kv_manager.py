@@ -37,6 +37,11 @@ class KvManager:
         self.window = window
         self.updates: list[BlockUpdate] = []  # drained by the runner before each forward
 
+    def drop_prefix_cache(self) -> None:
+        """Forget the cached prefixes no running sequence uses (after the engine's warm-up)."""
+        self.full.drop_cached()
+        self.slide.drop_cached()
+
     # ---- sizes -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

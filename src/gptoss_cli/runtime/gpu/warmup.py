@@ -1,0 +1,52 @@
+"""Warm-up of the eager step: the Triton kernels that prompt chunks and mixed prefill/decode steps
+use are compiled at engine start, not inside the first requests.
+
+Triton compiles a kernel once per set of constexpr values (here the MoE tiles that
+kernels.moe.pick_config chooses from the step's token count) and once per specialisation of its
+int arguments (a value of 1, divisibility by 16). CUDA-graph capture (runner.py) compiles the pure
+decode steps only, so a benchmark's first long prompts used to pay for these compiles: 6 kernels
+in the 256-request H200 run, ~1-3 s each (docs/performance.md, session 4). With a warm Triton
+cache on disk the warm-up costs a few forward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...kernels.moe import pick_config
+from ..api import Engine, SamplingParams
+
+
+def step_sizes(max_step_tokens: int, num_experts: int, top_k: int) -> list[int]:
+    """One token count per class of eager step that Triton compiles separately: the MoE tile
+    configuration, T == 1, T divisible by 16; plus the largest step."""
+    first: dict[tuple, int] = {}
+    for t in range(1, max_step_tokens + 1):
+        first.setdefault((pick_config(t, num_experts, top_k), t == 1, t % 16 == 0), t)
+    return sorted(set(first.values()) | {max_step_tokens})
+
+
+def _prompt(index: int, length: int, vocab: int) -> list[int]:
+    """Dummy tokens, different in every prompt from the first token on (no prefix-cache hits)."""
+    return [(1000 + 7919 * index + 31 * i) % vocab for i in range(length)]
+
+
+def warm_eager_steps(engine: Engine, max_step_tokens: int, progress: Callable[[int, int], None] | None = None) -> None:
+    """Run one eager step of every size class, then a mixed round, through the engine's own API.
+    The caller drops the prefix cache and resets its counters afterwards."""
+    cfg = engine.config
+    room = engine.max_context - 4  # prompt + the new tokens must fit the context
+    sizes = [t for t in step_sizes(max_step_tokens, cfg.num_local_experts, cfg.num_experts_per_tok) if t <= room]
+    # A multi-sequence round: a prompt longer than one step (its second chunk reads the first from
+    # the paged cache), shorter ones beside it (several sequences per step), then decode rows.
+    mixed = [min(room, n) for n in (max_step_tokens + max(1, max_step_tokens // 4), max(2, max_step_tokens // 3), 7)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    total = len(sizes) + 1
+    for i, t in enumerate(sizes):
+        engine.generate([_prompt(i, t, cfg.vocab_size)], one)
+        if progress:
+            progress(i + 1, total)
+    few = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate([_prompt(len(sizes) + j, n, cfg.vocab_size) for j, n in enumerate(mixed)], few)
+    if progress:
+        progress(total, total)
