@@ -137,19 +137,15 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
     "gemv-fp32": {"gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
-    "f16-k512": {"block_k": 512},
-    "f16-k128": {"block_k": 128},
-    "f16-n16": {"block_n1": 16},
-    "f16-n64": {"block_n1": 64, "block_k": 128},
-    "f16-w8": {"num_warps": 8},
-    "f16-n2-32": {"block_n2": 32},
+    "f16-k256": {"block_k": 256},
+    "f16-n32": {"block_n1": 32},
     "f16-n2-8": {"block_n2": 8},
+    "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "gemv-fp32", "f16-k512", "f16-k128", "f16-n16", "f16-n64", "f16-w8",
-        "f16-n2-32", "f16-n2-8"],
-    64: ["default", "fp32deq", "dot_scaled", "gemv"],
+    1: ["default", "fused-router", "gemv-fp32", "f16-n32", "f16-k256", "f16-n2-8"],
+    64: ["default", "fused-router", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "dot_scaled"],
 }
 

@@ -107,6 +107,18 @@ def _decode_min_chunk():
                   "BLOCK_N": tiles.block_n})
 
 
+def _router_topk():
+    import triton.language as tl
+
+    from gptoss_cli.kernels import moe_router as mr
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+                "hist_ptr": "*i32"}
+    compile_sm90(mr._router_topk_kernel, pointers, {
+        "num_tokens": 1, "TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_C": mr.BLOCK_C,
+        "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32"})
+
+
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
@@ -115,6 +127,7 @@ CASES = {
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),
+    "router-topk-1-token": _router_topk,
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_close, rel_err
 
-from gptoss_cli.kernels import moe_routing
+from gptoss_cli.kernels import moe_router, moe_routing
 from gptoss_cli.kernels.moe import (
     MoeConfig,
     MoeWorkspace,
@@ -19,6 +19,7 @@ from gptoss_cli.kernels.moe import (
     pick_config,
     prepare_moe_weights,
     route_ref,
+    router_logits,
 )
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
@@ -248,6 +249,39 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
+@pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (5, 4, 64, 2), (17, 8, 520, 3),
+                                                        (64, 32, 96, 4)])
+@pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
+def test_fused_router_matches_linear_then_route(device, tokens, experts, hidden, top_k, sort):
+    # hidden 300 / 520: the last 256-column step is partly masked; 4 and 8 experts pad to 16 columns.
+    x = torch.randn(tokens, hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    got = moe_router.route_tokens(x, rw, rb, top_k, 16, sort=sort)
+    want = route(router_logits(x, rw, rb), top_k, 16)
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert_close(got.topk_weights, want.topk_weights, 1e-5, "routing weights")
+    if sort:
+        for name in ("expert_counts", "expert_offsets", "sorted_slots", "slot_rows", "tile_expert", "tile_row_start"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_fused_router_forward_matches_moe_ref(device):
+    experts, hidden, inter, top_k = 4, 64, 96, 2
+    raw = _raw_weights(experts, hidden, inter, device)
+    w = prepare_moe_weights(*raw)
+    x = torch.randn(3, hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    for config in (dataclasses.replace(DECODE, fused_router=True), dataclasses.replace(GEMV, fused_router=True)):
+        got = moe_forward(x, rw, rb, w, top_k, config=config)
+        assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), f"fused router {config}")
+
+
+def test_fused_router_rejects_prefill_sizes(device):
+    x = torch.randn(moe_router.MAX_TOKENS + 1, 32, device=device)
+    with pytest.raises(ValueError, match="at most"):
+        moe_router.route_tokens(x, torch.randn(4, 32, device=device), torch.randn(4, device=device), 2, 16)
+
+
 def test_gemv_forward_skips_the_sort(device):
     # route(sort=False) fills only the top-k tensors; moe_forward's gemv path must not need the rest.
     experts, hidden, inter, top_k = 4, 64, 64, 2
@@ -433,6 +467,20 @@ def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
     assert rel_err(act, want[r.slot_rows.long()]) < 1e-2
     y = moe_gemv2(want[r.slot_rows.long()], r, w, config)
     assert rel_err(y, moe_gemm2_ref(want, r, w)) < 1e-2
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_fused_router_bf16_real_shapes(tokens):
+    # bf16 logits: both paths round an fp32 sum once; the sums differ in order only, so the chosen
+    # experts agree except at exact ties after rounding (none in random data of this size).
+    x = torch.randn(tokens, 2880, device="cuda").to(torch.bfloat16)
+    rw = (torch.randn(32, 2880, device="cuda") / 2880**0.5).to(torch.bfloat16)
+    rb = torch.randn(32, device="cuda").to(torch.bfloat16)
+    got = moe_router.route_tokens(x, rw, rb, 4, 16)
+    want = route(router_logits(x, rw, rb), 4, 16)
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert_close(got.topk_weights, want.topk_weights, 2e-2, "routing weights")
 
 
 @requires_gpu

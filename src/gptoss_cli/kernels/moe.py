@@ -7,7 +7,8 @@ expert e: h = x @ W1_e^T + b1_e (2I values, even = gate, odd = up, interleaved);
 out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias too).
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
 
-moe_forward is the GPU path: router matmul (torch) -> route (moe_routing.py) -> grouped gemm1 +
+moe_forward is the GPU path: router matmul (torch; or inside the top-k kernel, moe_router.py, with
+MoeConfig.fused_router) -> route (moe_routing.py) -> grouped gemm1 +
 SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py; at about one
 row per expert the matrix-vector kernels of moe_gemv.py replace the two grouped gemms). No step reads
 anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from . import moe_router
 from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from .moe_matmul import (
     MoeConfig,
@@ -172,11 +174,16 @@ def moe_forward(
     num_tokens, dt = x.shape[0], x.dtype
     cfg = config or pick_config(num_tokens, w.num_experts, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
-    with record_function("moe.router"):
-        # The same function as moe_ref, so the logits (and hence the chosen experts) match bit for bit.
-        logits = router_logits(x, router_weight, router_bias)
-    with record_function("moe.route"):
-        routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
+    if cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS:
+        with record_function("moe.router+route"):
+            routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
+                                              sort=not cfg.gemv)
+    else:
+        with record_function("moe.router"):
+            # The same function as moe_ref, so the logits (and the chosen experts) match bit for bit.
+            logits = router_logits(x, router_weight, router_bias)
+        with record_function("moe.route"):
+            routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
     gemm1, gemm2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
     with record_function("moe.w1+swiglu"):
         act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])

@@ -70,6 +70,9 @@ class MoeConfig:
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
+    # Router logits inside the top-k kernel (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
+    # of F.linear + route. Off: not yet measured on the GPU.
+    fused_router: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):

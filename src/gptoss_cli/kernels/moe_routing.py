@@ -140,11 +140,22 @@ def _topk_softmax_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    ks = tl.arange(0, BLOCK_K)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :]
     logits = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    _topk_softmax_store(logits, pid, rows, row_ok, cols, col_ok, weights_ptr, ids_ptr, hist_ptr, num_experts,
+                        TOP_K, BLOCK_K, BLOCK_T, BLOCK_E)
+
+
+@triton.jit
+def _topk_softmax_store(
+    logits, pid, rows, row_ok, cols, col_ok, weights_ptr, ids_ptr, hist_ptr, num_experts,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Top-k of fp32 logits [BLOCK_T, BLOCK_E], softmax over them; stores weights, ids and the
+    block's expert histogram (row `pid` of hist)."""
+    ks = tl.arange(0, BLOCK_K)
     logits = tl.where(col_ok[None, :], logits, float("-inf"))  # padding columns are never chosen
     taken = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
     values = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -286,15 +297,22 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None
         logits, logits.stride(0), out.topk_weights, out.topk_ids, out.block_hist, num_tokens, num_experts,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )  # fmt: skip
-    if not sort:
-        return out
+    if sort:
+        sort_slots(out, block_t, num_warps)
+    return out
+
+
+def sort_slots(out: MoeRouting, block_t: int, num_warps: int) -> None:
+    """The sorting launch: expert-sorted slots and the tile table from out.topk_ids and the block
+    histograms the top-k kernel wrote with `block_t` tokens per program."""
+    num_tokens, top_k = out.topk_ids.shape
+    num_blocks = triton.cdiv(num_tokens, block_t)
     _sort_slots_kernel[(num_blocks,)](
         out.topk_ids, out.block_hist, out.expert_counts, out.expert_offsets, out.sorted_slots, out.slot_rows,
-        out.tile_expert, out.tile_row_start, num_tokens, num_experts, num_blocks, out.max_tiles,
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_M=block_m,
+        out.tile_expert, out.tile_row_start, num_tokens, out.num_experts, num_blocks, out.max_tiles,
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(out.num_experts), BLOCK_M=out.block_m,
         BLOCK_B=HIST_ROWS_PER_STEP, BLOCK_J=TILE_ENTRIES_PER_STEP, num_warps=num_warps,
     )  # fmt: skip
-    return out
 
 
 def route_metadata_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
