@@ -17,7 +17,6 @@ anything back to the host and all sizes depend on T only, so a fixed-T forward i
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 import torch

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from .moe_matmul import _dot_dtype, _dot_precision
-from .moe_routing import MoeRouting, _check_route_args, _topk_softmax_store, sort_slots, token_block
+from .moe_routing import (
+    MoeRouting,
+    _check_route_args,
+    _topk_softmax_store,
+    sort_slots,
+    token_block,
+)
 
 # Above this many tokens the logits go through F.linear and moe_routing.route (prefill: the
 # router is a small share of the step and cuBLAS is efficient there).

@@ -12,9 +12,13 @@ cache on disk the warm-up costs a few forward passes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...kernels.moe import pick_config
-from ..api import Engine, SamplingParams
+from ..api import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import GpuEngine
 
 
 def step_sizes(max_step_tokens: int, num_experts: int, top_k: int) -> list[int]:
@@ -31,15 +35,20 @@ def _prompt(index: int, length: int, vocab: int) -> list[int]:
     return [(1000 + 7919 * index + 31 * i) % vocab for i in range(length)]
 
 
-def warm_eager_steps(engine: Engine, max_step_tokens: int, progress: Callable[[int, int], None] | None = None) -> None:
+def warm_eager_steps(engine: GpuEngine, max_step_tokens: int, progress: Callable[[int, int], None] | None = None) -> None:
     """Run one eager step of every size class, then a mixed round, through the engine's own API.
     The caller drops the prefix cache and resets its counters afterwards."""
     cfg = engine.config
     room = engine.max_context - 4  # prompt + the new tokens must fit the context
-    sizes = [t for t in step_sizes(max_step_tokens, cfg.num_local_experts, cfg.num_experts_per_tok) if t <= room]
+    if room < 1:
+        return
+    def fits(n: int) -> bool:  # the engine's admission rule (GpuEngine._admit), with 3 new tokens
+        return n <= room and engine.kv.blocks_for(n + 3) < engine.kv.full.num_blocks
+
+    sizes = [t for t in step_sizes(max_step_tokens, cfg.num_local_experts, cfg.num_experts_per_tok) if fits(t)]
     # A multi-sequence round: a prompt longer than one step (its second chunk reads the first from
     # the paged cache), shorter ones beside it (several sequences per step), then decode rows.
-    mixed = [min(room, n) for n in (max_step_tokens + max(1, max_step_tokens // 4), max(2, max_step_tokens // 3), 7)]
+    mixed = [n for n in (max_step_tokens + max(1, max_step_tokens // 4), max(2, max_step_tokens // 3), 7) if fits(n)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     total = len(sizes) + 1
     for i, t in enumerate(sizes):
@@ -47,6 +56,7 @@ def warm_eager_steps(engine: Engine, max_step_tokens: int, progress: Callable[[i
         if progress:
             progress(i + 1, total)
     few = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    engine.generate([_prompt(len(sizes) + j, n, cfg.vocab_size) for j, n in enumerate(mixed)], few)
+    if mixed:
+        engine.generate([_prompt(len(sizes) + j, n, cfg.vocab_size) for j, n in enumerate(mixed)], few)
     if progress:
         progress(total, total)
