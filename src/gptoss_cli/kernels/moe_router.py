@@ -20,6 +20,7 @@ from .moe_routing import (
     MoeRouting,
     _check_route_args,
     _topk_softmax_store,
+    routing_buffers,
     sort_slots,
     token_block,
 )
@@ -71,13 +72,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and the router weight must be contiguous along the hidden dimension")
     _check_route_args(torch.empty(num_tokens, num_experts, device="meta"), top_k, block_m)
-    if out is None:
-        out = MoeRouting.allocate(num_tokens, num_experts, top_k, block_m, x.device)
-    if out.topk_ids.shape != (num_tokens, top_k) or out.num_experts != num_experts or out.block_m != block_m:
-        raise ValueError("routing buffers do not match x, top_k or block_m")
+    out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, x.device)
     if num_tokens == 0:
-        out.expert_counts.zero_()
-        out.expert_offsets.zero_()
         return out
     block_t = token_block(num_tokens, num_experts)
     block_e = max(16, triton.next_power_of_2(num_experts))  # tl.dot needs N >= 16

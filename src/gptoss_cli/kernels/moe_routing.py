@@ -269,6 +269,19 @@ def _check_route_args(logits: torch.Tensor, top_k: int, block_m: int) -> None:
         raise ValueError(f"block_m must be a power of two, got {block_m}")
 
 
+def routing_buffers(out: MoeRouting | None, num_tokens: int, num_experts: int, top_k: int, block_m: int,
+                    device: torch.device) -> MoeRouting:
+    """`out` checked against the call, or fresh buffers; for zero tokens, the empty routing."""
+    if out is None:
+        out = MoeRouting.allocate(num_tokens, num_experts, top_k, block_m, device)
+    if out.topk_ids.shape != (num_tokens, top_k) or out.num_experts != num_experts or out.block_m != block_m:
+        raise ValueError("routing buffers do not match the tokens, experts, top_k or block_m")
+    if num_tokens == 0:
+        out.expert_counts.zero_()
+        out.expert_offsets.zero_()
+    return out
+
+
 def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None = None,
           sort: bool = True) -> MoeRouting:
     """[T, E] router logits -> MoeRouting with tiles of `block_m` rows (two kernel launches).
@@ -281,13 +294,8 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_tokens, num_experts = logits.shape
-    if out is None:
-        out = MoeRouting.allocate(num_tokens, num_experts, top_k, block_m, logits.device)
-    if out.topk_ids.shape != (num_tokens, top_k) or out.num_experts != num_experts or out.block_m != block_m:
-        raise ValueError("routing buffers do not match the logits, top_k or block_m")
+    out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, logits.device)
     if num_tokens == 0:
-        out.expert_counts.zero_()
-        out.expert_offsets.zero_()
         return out
     block_t = token_block(num_tokens, num_experts)
     block_e = triton.next_power_of_2(num_experts)
