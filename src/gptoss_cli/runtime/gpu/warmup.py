@@ -36,7 +36,7 @@ def _prompt(index: int, length: int, vocab: int) -> list[int]:
 
 
 def warm_eager_steps(engine: GpuEngine, max_step_tokens: int, progress: Callable[[int, int], None] | None = None) -> None:
-    """Run one eager step of every size class, then a mixed round, through the engine's own API.
+    """Run one eager step of every size class, then mixed rounds, through the engine's own API.
     The caller drops the prefix cache and resets its counters afterwards."""
     cfg = engine.config
     room = engine.max_context - 4  # prompt + the new tokens must fit the context
@@ -58,5 +58,9 @@ def warm_eager_steps(engine: GpuEngine, max_step_tokens: int, progress: Callable
     few = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     if mixed:
         engine.generate([_prompt(len(sizes) + j, n, cfg.vocab_size) for j, n in enumerate(mixed)], few)
+    # Then up to 16 sequences in one step (a sequence count divisible by 16 specialises too).
+    many = min(16, engine.options.max_batch, max_step_tokens // 20)
+    if many > 1 and fits(20):
+        engine.generate([_prompt(len(sizes) + len(mixed) + j, 20, cfg.vocab_size) for j in range(many)], few)
     if progress:
         progress(total, total)
