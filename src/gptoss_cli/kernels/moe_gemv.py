@@ -2,17 +2,19 @@
 
 Contract of moe_gemm1_swiglu / moe_gemm2 (moe_matmul.py) except for the row order of act: slot
 order here, so only the routing's top-k tensors are read and route(sort=False) may skip the sort
-kernel (2.9 us per layer at T=1). y is in slot order and scaled by the routing weight. The tiled kernels pad each expert's rows to a 16-row
-tensor-core tile and pass every dequantised weight through shared memory into mma; with one real
-row that is 15/16 wasted work and a shared-memory round trip per K step. Here a program owns one
-slot (token, choice) and BLOCK_R weight rows and keeps everything in registers: each thread dequantises
-whole 16-byte blocks (32 values of one row, one scale), multiplies them with the matching x values
-and sums them in place; the rows' dot products are reduced across threads once, after the K loop.
+kernel (2.9 us per layer at T=1). y is in slot order and scaled by the routing weight.
+
+The tiled kernels pad each expert's rows to a 16-row tensor-core tile and pass every dequantised
+weight through shared memory into mma; with one real row that is 15/16 wasted work and a
+shared-memory round trip per K step. Here a program owns one slot (token, choice) and BLOCK_R
+weight rows and keeps everything in registers: each thread dequantises whole 16-byte blocks (32
+values of one row, one scale), multiplies them with the matching x values and sums them in place;
+the rows' dot products are reduced across threads once, after the K loop.
 Meant for one row per expert: a second row of the same expert re-reads its weights (from L2).
 
 F16 (GPU, bf16 activations): the dot products run in packed fp16 inside one piece of inline PTX
-per 32-value block (_FP4_DOT_F16_ASM), about 6 instructions per weight byte instead of ~16 for
-dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations are exact in fp16 and
+per 32-value block (_FP4_DOT_F16_ASM), about 8 SASS instructions per weight byte instead of ~16
+for dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations are exact in fp16 and
 so are their products; the 16 products per half-register are summed in fp16 (relative error
 ~2**-11 per add, below the bf16 rounding of the output), then in fp32 with the block scale. A
 block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows in fp32.

@@ -65,7 +65,7 @@ class MoeConfig:
     # flight; the combine adds the partial slabs. H200, 20b T=1: gemm2 25.5 -> 18.8 us with 2
     # splits. (gemm1 was slower split, 34.4 -> 38.8 us, and no longer has the option.)
     split_k: int = 1
-    # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (sorted row, column
+    # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (slot, column
     # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).

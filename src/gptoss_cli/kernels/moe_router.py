@@ -18,7 +18,6 @@ import triton.language as tl
 from .moe_matmul import _dot_dtype, _dot_precision
 from .moe_routing import (
     MoeRouting,
-    _check_route_args,
     _topk_softmax_store,
     routing_buffers,
     sort_slots,
@@ -71,7 +70,6 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not match x {tuple(x.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and the router weight must be contiguous along the hidden dimension")
-    _check_route_args(torch.empty(num_tokens, num_experts, device="meta"), top_k, block_m)
     out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, x.device)
     if num_tokens == 0:
         return out

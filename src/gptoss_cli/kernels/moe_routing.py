@@ -255,23 +255,16 @@ def _sort_slots_kernel(
         _write_tile_table(tile_expert_ptr, tile_start_ptr, num_tiles, total, starts, cols, BLOCK_M, BLOCK_J)
 
 
-def _check_route_args(logits: torch.Tensor, top_k: int, block_m: int) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits.shape)}")
-    if not logits.dtype.is_floating_point:
-        raise TypeError(f"router logits must be floating point, got {logits.dtype}")
-    num_experts = logits.shape[1]
+def routing_buffers(out: MoeRouting | None, num_tokens: int, num_experts: int, top_k: int, block_m: int,
+                    device: torch.device) -> MoeRouting:
+    """The sizes checked, then `out` checked against them or fresh buffers; for zero tokens, the
+    empty routing."""
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"number of experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-
-
-def routing_buffers(out: MoeRouting | None, num_tokens: int, num_experts: int, top_k: int, block_m: int,
-                    device: torch.device) -> MoeRouting:
-    """`out` checked against the call, or fresh buffers; for zero tokens, the empty routing."""
     if out is None:
         out = MoeRouting.allocate(num_tokens, num_experts, top_k, block_m, device)
     if out.topk_ids.shape != (num_tokens, top_k) or out.num_experts != num_experts or out.block_m != block_m:
@@ -290,7 +283,10 @@ def route(logits: torch.Tensor, top_k: int, block_m: int, out: MoeRouting | None
     sort=False launches only the top-k kernel: topk_weights and topk_ids are valid, every other
     field is left as it was (the matrix-vector kernels read slots in order and need nothing else).
     """
-    _check_route_args(logits, top_k, block_m)
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"router logits must be floating point, got {logits.dtype}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_tokens, num_experts = logits.shape
