@@ -394,13 +394,13 @@ def _throughput(section: str, weights, requests: int, input_len: int, output_len
             compiled_prefill = len(_triton_cache_entries() - compiled_before)
     wall = time.time() - t0
     decode_s = time.time() - prefill_end
+    compiled = _triton_cache_entries() - compiled_before
     row(section, f"{requests} requests {input_len} in / {output_len} out",
         f"{tokens / wall:,.0f} output tok/s ({tokens} tokens in {wall:.1f} s); all started after "
         f"{prefill_end - t0:.1f} s / {steps_at_end} steps, then {(tokens - tokens_at_end) / decode_s:,.0f} tok/s "
         f"({(steps - steps_at_end)} steps, {1e3 * decode_s / max(1, steps - steps_at_end):.1f} ms/step); "
         f"preemptions {eng.scheduler.num_preemptions}; Triton kernels compiled during the run: "
-        f"{compiled_prefill} before all started, {len(_triton_cache_entries() - compiled_before)} in all "
-        f"({_compiled_names(_triton_cache_entries() - compiled_before)})")
+        f"{compiled_prefill} before all started, {len(compiled)} in all ({_compiled_names(compiled)})")
 
 
 def section_profile(args) -> None:
