@@ -11,6 +11,7 @@ Sections (default: all, in this order):
   profile   one decode step broken down by kernel family (scripts/profile_decode.py)
   e20b      random gpt-oss-20b written to disk: engine vs reference vs transformers, greedy agreement
   bench20b  engine decode/prefill benchmarks on random:20b (+ transformers side by side)
+  tput      only bench20b's 256-request throughput run (not in the default list)
   e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
 Full results go to DIR/gpu_check.json (DIR defaults to $OUT or /tmp).
 """
@@ -330,6 +331,13 @@ def section_bench20b(args) -> None:
     _throughput("bench20b", random_weights("20b", device="cuda"), 256, 1024, 1024)
 
 
+def section_tput(args) -> None:
+    """Only the 256-request throughput run of bench20b."""
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    _throughput("tput", random_weights("20b", device="cuda"), 256, 1024, 1024)
+
+
 def _release() -> None:
     import gc
 
@@ -421,12 +429,12 @@ def section_e120b(args) -> None:
 
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
             "load": section_load, "profile": section_profile,
-            "e20b": section_e20b, "bench20b": section_bench20b, "e120b": section_e120b}
+            "e20b": section_e20b, "bench20b": section_bench20b, "tput": section_tput, "e120b": section_e120b}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", default=list(SECTIONS))
+    parser.add_argument("sections", nargs="*", default=[s for s in SECTIONS if s != "tput"], choices=list(SECTIONS))
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--e20b-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="engine dtypes e20b checks against the reference (bf16 also against transformers)")

@@ -1,11 +1,15 @@
 """Break one decode step down kernel by kernel (issue 7's method): where the time of a step goes.
 
     PYTHONPATH=src python scripts/profile_decode.py [--model 20b] [--batch 1 64] [--steps 20]
+        [--moe fused_router=1 ...] [--engine warm_up=0 ...]
 
 For each batch size: the engine decodes after a 128-token prompt; a window of steps is recorded
 with torch.profiler (CUDA kernels, also inside CUDA-graph replays) and the device time per step is
 summed by kernel family. Also printed: wall time per step with graphs (what the engine runs) and
 the idle share (wall minus kernel time: launch gaps, host work, the per-step sync).
+`--moe field=value` overrides MoeConfig fields of pick_config's choice for decode-sized steps
+(T <= 64), to measure a kernel variant inside the engine before making it the default;
+`--engine field=value` sets GpuEngineConfig fields (bool or int) the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 FAMILIES = [
     ("moe gemm1+swiglu", r"_gemm1_swiglu|_gemv1_swiglu"),
     ("moe gemm2", r"_gemm2_kernel|_gemv2_kernel"),
-    ("moe routing", r"route|_hist|_tile|topk"),
+    ("moe routing", r"route|router|_hist|_tile|topk|_sort_slots"),
     ("moe combine", r"_combine"),
     ("decode attention", r"_decode_split|_decode_reduce"),
     ("prefill attention", r"_prefill|_attn_fwd"),
@@ -80,19 +84,52 @@ def profile(eng, batch: int, steps: int) -> None:
         print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")
 
 
+def override_moe(pairs: list[str]) -> None:
+    """Patch kernels.moe.pick_config so steps of <= 64 tokens use the given MoeConfig fields."""
+    import dataclasses
+
+    from gptoss_cli.kernels import moe
+
+    fields = {f.name: f.type for f in dataclasses.fields(moe.MoeConfig)}
+    changes = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--moe: unknown MoeConfig field {name!r} (fields: {', '.join(fields)})")
+        kind = str(fields[name])  # annotations are strings (postponed evaluation)
+        changes[name] = value.lower() in ("1", "true") if kind == "bool" else int(value) if kind == "int" else value
+    base = moe.pick_config
+
+    def patched(num_tokens: int, num_experts: int, top_k: int):
+        cfg = base(num_tokens, num_experts, top_k)
+        return dataclasses.replace(cfg, **changes) if num_tokens <= 64 else cfg
+
+    moe.pick_config = patched
+    print(f"MoE override for T <= 64: {changes}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="20b", choices=["tiny", "20b", "120b"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--moe", nargs="*", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE")
     args = parser.parse_args()
+    if args.moe:
+        override_moe(args.moe)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from gptoss_cli.runtime.gpu.engine import GpuEngine
     from gptoss_cli.runtime.random_checkpoint import random_weights
 
-    eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=max(args.batch))
+    options = {}
+    for pair in args.engine:
+        name, _, value = pair.partition("=")
+        options[name] = value.lower() in ("1", "true") if value.lower() in ("0", "1", "true", "false") else int(value)
+    eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=max(args.batch), **options)
+    print(f"engine options: {eng.options}")
     for b in args.batch:
         profile(eng, b, args.steps)
     return 0

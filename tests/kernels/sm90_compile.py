@@ -107,16 +107,19 @@ def _decode_min_chunk():
                   "BLOCK_N": tiles.block_n})
 
 
-def _router_topk():
-    import triton.language as tl
+def _router_topk(tokens: int, experts: int):
+    import triton
 
     from gptoss_cli.kernels import moe_router as mr
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32",
-                "hist_ptr": "*i32"}
-    compile_sm90(mr._router_topk_kernel, pointers, {
-        "num_tokens": 1, "TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_C": mr.BLOCK_C,
-        "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32"})
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "logits_ptr": "*fp32", "arrivals_ptr": "*i32",
+                "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32"}
+    block_t = triton.next_power_of_2(tokens)
+    constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
+                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E))}
+    if tokens == 1:
+        constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
+    compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
 
 
 CASES = {
@@ -127,7 +130,8 @@ CASES = {
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),
-    "router-topk-1-token": _router_topk,
+    "router-topk-1-token": lambda: _router_topk(1, 32),
+    "router-topk-4-tokens-128-experts": lambda: _router_topk(4, 128),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }

@@ -249,11 +249,12 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
-@pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (5, 4, 64, 2), (17, 8, 520, 3),
-                                                        (64, 32, 96, 4)])
+@pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
+                                                        (4, 128, 96, 4)])
 @pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
 def test_fused_router_matches_linear_then_route(device, tokens, experts, hidden, top_k, sort):
-    # hidden 300 / 520: the last 256-column step is partly masked; 4 and 8 experts pad to 16 columns.
+    # 5 experts: the last program of two has one masked expert; hidden 300 / 520 / 96 are not
+    # powers of two (masked columns); 4 tokens take the multi-step column loop.
     x = torch.randn(tokens, hidden, device=device)
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
     got = moe_router.route_tokens(x, rw, rb, top_k, 16, sort=sort)
@@ -263,6 +264,18 @@ def test_fused_router_matches_linear_then_route(device, tokens, experts, hidden,
     if sort:
         for name in ("expert_counts", "expert_offsets", "sorted_slots", "slot_rows", "tile_expert", "tile_row_start"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_fused_router_scratch_is_reusable(device):
+    # The last program resets the arrival counter: launch after launch on one scratch stays right.
+    experts, hidden = 8, 64
+    scratch = moe_router.RouterScratch.allocate(experts, device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    for tokens in (1, 4, 2, 1):
+        x = torch.randn(tokens, hidden, device=device)
+        got = moe_router.route_tokens(x, rw, rb, 2, 16, sort=False, scratch=scratch)
+        assert torch.equal(got.topk_ids, route(router_logits(x, rw, rb), 2, 16).topk_ids)
+        assert scratch.arrivals.item() == 0
 
 
 def test_fused_router_forward_matches_moe_ref(device):
@@ -470,17 +483,39 @@ def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
 
 
 @requires_gpu
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_fused_router_bf16_real_shapes(tokens):
+@pytest.mark.parametrize("tokens,experts", [(1, 32), (4, 32), (1, 128)])
+def test_fused_router_bf16_real_shapes(tokens, experts):
     # bf16 logits: both paths round an fp32 sum once; the sums differ in order only, so the chosen
     # experts agree except at exact ties after rounding (none in random data of this size).
     x = torch.randn(tokens, 2880, device="cuda").to(torch.bfloat16)
-    rw = (torch.randn(32, 2880, device="cuda") / 2880**0.5).to(torch.bfloat16)
-    rb = torch.randn(32, device="cuda").to(torch.bfloat16)
+    rw = (torch.randn(experts, 2880, device="cuda") / 2880**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
     got = moe_router.route_tokens(x, rw, rb, 4, 16)
     want = route(router_logits(x, rw, rb), 4, 16)
     assert torch.equal(got.topk_ids, want.topk_ids)
     assert_close(got.topk_weights, want.topk_weights, 2e-2, "routing weights")
+
+
+@requires_gpu
+def test_fused_router_graph_replays_see_every_program():
+    # The last-arriving program reads the other programs' logits: replayed many times in a CUDA
+    # graph with new inputs (stale L1 lines or a missed arrival would show as wrong experts).
+    experts, hidden = 128, 2880
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.zeros(experts, device="cuda").to(torch.bfloat16)
+    x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    scratch = moe_router.RouterScratch.allocate(experts, "cuda")
+    out = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, scratch=scratch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):  # back-to-back launches on one scratch, as in consecutive layers
+            moe_router.route_tokens(x, rw, rb, 4, 16, out=out, sort=False, scratch=scratch)
+    bad = 0
+    for _ in range(200):
+        x.copy_(torch.randn(1, hidden, device="cuda"))
+        graph.replay()
+        bad += not torch.equal(out.topk_ids, route(router_logits(x, rw, rb), 4, 16).topk_ids)
+    assert bad == 0 and scratch.arrivals.item() == 0
 
 
 @requires_gpu

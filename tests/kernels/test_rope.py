@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import assert_close, bf16_ulps
 
+from gptoss_cli.kernels.kv_store import kv_store
 from gptoss_cli.kernels.rope import apply_rope, apply_rope_qkv, apply_rope_ref, qkv_views, rope_cos_sin
 from gptoss_cli.runtime.config import ModelConfig
 
@@ -77,6 +78,31 @@ def test_rope_skips_out_of_table_positions(device, tables):
     _assert_rotated(got_k, apply_rope_ref(k, positions[[0, 3]], cos, sin), "k")
 
 
+@pytest.mark.parametrize("qkv_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("heads,kv_heads,d,tokens", [(H, HKV, D, 5), (5, 3, 6, 7)])
+def test_rope_with_cache_store_matches_rope_then_kv_store(device, qkv_dtype, cache_dtype, heads, kv_heads, d, tokens):
+    # The decode launch also writes the rotated k and v rows to the cache: same bytes as rope, then
+    # kv_store. Slot -1 (padding) writes nothing; position -1 stores k unrotated, as the two
+    # separate launches do.
+    block_size, num_blocks = 16, 6
+    cos, sin = torch.randn(50, d // 2, device=device), torch.randn(50, d // 2, device=device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, device=device).to(qkv_dtype)
+    positions = torch.randint(0, 50, (tokens,), device=device)
+    positions[1] = -1
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[2] = -1
+    caches = [torch.randn(num_blocks, block_size, kv_heads, d, device=device).to(cache_dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    want_qkv = qkv.clone()
+    apply_rope_qkv(want_qkv, positions, cos, sin, heads, kv_heads, d)
+    _, k, v = qkv_views(want_qkv, heads, kv_heads, d)
+    kv_store(k, v, caches[0], caches[1], slots)
+    apply_rope_qkv(qkv, positions, cos, sin, heads, kv_heads, d, (caches[2], caches[3], slots))
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
 def test_rope_bad_arguments_raise(device, tables):
     cos, sin = tables
     q = torch.randn(3, H, D, device=device)
@@ -90,6 +116,11 @@ def test_rope_bad_arguments_raise(device, tables):
     with pytest.raises(ValueError, match="qkv"):
         apply_rope_qkv(torch.randn(3, 100, device=device), torch.zeros(3, dtype=torch.long, device=device),
                        cos, sin, H, HKV, D)
+    qkv = torch.randn(3, (H + 2 * HKV) * D, device=device)
+    cache = torch.zeros(4, 16, HKV, D, device=device)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        apply_rope_qkv(qkv, torch.zeros(3, dtype=torch.long, device=device), cos, sin, H, HKV, D,
+                       (cache, cache.clone(), torch.zeros(3, dtype=torch.int32, device=device)))
 
 
 @requires_gpu

@@ -5,8 +5,9 @@ contiguous). Flat slot = block * BLOCK_SIZE + offset. Position p of sequence b l
   block = block_table[b, j], offset = p % BLOCK_SIZE,  j = p // BLOCK_SIZE        (plain paging)
                                                       j = (p // BLOCK_SIZE) % R   (ring of R blocks)
 A ring (sliding layers) keeps the last R * BLOCK_SIZE positions; ring_blocks = 0 means plain paging.
-This module owns that formula (host: `cache_slots`, device: `kv_cache_location` / `load_kv_tile`)
-and `kv_store`, which writes row t of k/v to slot_mapping[t] (-1 = padding, skipped).
+This module owns that formula (host: `cache_slots`, device: `kv_cache_location` / `load_kv_tile` /
+`store_token_heads`) and `kv_store`, which writes row t of k/v to slot_mapping[t] (-1 = padding,
+skipped); kernels.rope stores decode K/V through `store_token_heads` as it rotates them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, pos, valid, kv_head, ring_blocks,
     k = tl.load(kc_ptr + ptrs, mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + ptrs, mask=valid[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def store_token_heads(c_ptr, slot, heads, dims, values, mask, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE: tl.constexpr):
+    """Write values [heads x dims tile] of one token into cache slot `slot` (-1: nothing written)."""
+    slot = slot.to(tl.int64)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
+    tl.store(c_ptr + dst, values.to(c_ptr.dtype.element_ty), mask=mask & (slot >= 0))
 
 
 @triton.jit

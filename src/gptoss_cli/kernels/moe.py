@@ -7,8 +7,8 @@ expert e: h = x @ W1_e^T + b1_e (2I values, even = gate, odd = up, interleaved);
 out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias too).
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
 
-moe_forward is the GPU path: router matmul (torch; or inside the top-k kernel, moe_router.py, with
-MoeConfig.fused_router) -> route (moe_routing.py) -> grouped gemm1 +
+moe_forward is the GPU path: router matmul (torch; or inside the top-k launch, moe_router.py, with
+MoeConfig.fused_router at T <= 4) -> route (moe_routing.py) -> grouped gemm1 +
 SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py; at about one
 row per expert the matrix-vector kernels of moe_gemv.py replace the two grouped gemms). No step reads
 anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
@@ -112,6 +112,7 @@ class MoeWorkspace:
     routing: MoeRouting  # sized for max_tokens with one-row tiles (the most tiles any block_m needs)
     act: torch.Tensor  # [max_tokens*K, I] activation dtype
     y: torch.Tensor  # [max_tokens*K, C] fp32
+    router: moe_router.RouterScratch  # fused router (MoeConfig.fused_router)
 
     @classmethod
     def allocate(
@@ -123,6 +124,7 @@ class MoeWorkspace:
             routing=MoeRouting.allocate(max_tokens, w.num_experts, top_k, 1, device),
             act=torch.empty((slots, w.intermediate), dtype=dtype, device=device),
             y=torch.empty((slots, w.hidden), dtype=torch.float32, device=device),
+            router=moe_router.RouterScratch.allocate(w.num_experts, device),
         )
 
     def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype):
@@ -176,7 +178,7 @@ def moe_forward(
     if cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS:
         with record_function("moe.router+route"):
             routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
-                                              sort=not cfg.gemv)
+                                              sort=not cfg.gemv, scratch=workspace.router if workspace else None)
     else:
         with record_function("moe.router"):
             # The same function as moe_ref, so the logits (and the chosen experts) match bit for bit.

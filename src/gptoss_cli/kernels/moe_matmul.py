@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_routing import MoeRouting
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
 
@@ -70,8 +71,8 @@ class MoeConfig:
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
-    # Router logits inside the top-k kernel (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
-    # of F.linear + route. Off: not yet measured on the GPU.
+    # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
+    # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
 
     def __post_init__(self) -> None:
@@ -93,14 +94,14 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
         # with 32 columns, 41.2 in fp32); gemm2 11.9 us with 16 rows (19.5 in fp32).
         return MoeConfig("decode", 16, 16, 16, 512, num_warps=4, num_stages=3, asm_dequant=True, gemv=True,
-                         gemv_f16=True)
+                         gemv_f16=True, fused_router=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
         # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise
         # the dequantisation.
         if per_expert < 4:
             return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True,
-                             split_k=2 if per_expert <= 1 else 1)
+                             split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS)
         return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True)
     block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     # No asm_dequant: Triton 3.6 rejects the inline-asm operand in its wgmma (M >= 64) pipeline

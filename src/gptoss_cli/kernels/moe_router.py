@@ -1,67 +1,101 @@
-"""Router logits and top-k in one kernel, for a few tokens (decode).
+"""Router logits and top-k in one launch, for a few tokens (decode at batch 1-4).
 
-At batch 1 the router is a [1, 2880] x [2880, 32] product (184 KB of weights), and cuBLAS runs it
-as a split-K GEMM plus a reduce kernel, about 8 us per layer on the H200 (docs/optimizations.md);
-the top-k kernel then reads the logits back. Here one program per token block computes its
-logits with tl.dot, rounds them to the activation dtype as F.linear does (fp32 sum, bias added in
-fp32, one rounding), and runs the same top-k/softmax code as moe_routing.route. Different
-summation order than cuBLAS: the logits can differ in the last bit, which changes the chosen
-experts only at exact ties after rounding.
+At batch 1 the router is a [1, 2880] x [2880, 32] product (184 KB of weights): cuBLAS runs it as a
+split-K GEMM plus a reduce kernel, ~6 us per layer on the H200, and the top-k kernel then reads the
+logits back (~1.7 us). A first version here computed the logits and the top-k in one program: one
+SM streaming 184 KB took 10 us (session 5, docs/optimizations.md). So the experts are spread over
+programs (GROUP_E each, all hidden columns in one or a few wide loads), each writes its logits to
+a scratch row and counts its arrival on an atomic counter; the last program to arrive runs the
+top-k/softmax of moe_routing over all experts and resets the counter for the next launch (and the
+next graph replay).
+
+The logits are rounded to the activation dtype as F.linear does (fp32 sum, bias added in fp32, one
+rounding). The summation order differs from cuBLAS, so a logit can differ in its last bit, which
+changes the chosen experts only at exact ties after rounding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .moe_matmul import _dot_dtype, _dot_precision
 from .moe_routing import (
     MoeRouting,
     _topk_softmax_store,
     routing_buffers,
     sort_slots,
-    token_block,
 )
 
-# Above this many tokens the logits go through F.linear and moe_routing.route (prefill: the
-# router is a small share of the step and cuBLAS is efficient there).
-MAX_TOKENS = 64
-BLOCK_C = 256  # hidden columns per K step
+# Above this many tokens the logits go through F.linear and moe_routing.route (there cuBLAS
+# reuses each weight row over the tokens; here every token is a row of a register tile).
+MAX_TOKENS = 4
+GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
+PRODUCT_ELEMS = 8192  # elements of one [tokens, experts, columns] product step
+
+
+@dataclass
+class RouterScratch:
+    """Per-launch scratch: the logits [MAX_TOKENS, E] fp32 and the arrival counter, which is zero
+    between launches (the last program resets it). Launches that share it must not overlap."""
+
+    logits: torch.Tensor
+    arrivals: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_experts: int, device: torch.device | str) -> RouterScratch:
+        return cls(torch.empty((MAX_TOKENS, num_experts), dtype=torch.float32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
 
 
 @triton.jit
-def _router_topk_kernel(
-    x_ptr, stride_xt, w_ptr, stride_we, b_ptr, weights_ptr, ids_ptr, hist_ptr, num_tokens, num_experts, hidden,
+def _router_split_kernel(
+    x_ptr, stride_xt, w_ptr, stride_we, b_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, hist_ptr,
+    num_tokens, num_experts, hidden,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    cs = tl.arange(0, BLOCK_C)
+    rows = tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
-    col_ok = cols < num_experts
+    es = pid * GROUP_E + tl.arange(0, GROUP_E)
+    e_ok = es < num_experts
+    cs = tl.arange(0, BLOCK_C)
     out_dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, GROUP_E), dtype=tl.float32)
     for c0 in range(0, hidden, BLOCK_C):
         c_ok = c0 + cs < hidden
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + c0 + cs[None, :],
-                    mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xt + c0 + cs[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
         # F.linear casts the weight to the activation dtype first: so do we.
-        w = tl.load(w_ptr + cols[:, None] * stride_we + c0 + cs[None, :], mask=col_ok[:, None] & c_ok[None, :],
-                    other=0.0).to(out_dtype)
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
-    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(out_dtype).to(tl.float32)
+        w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(out_dtype).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    bias = tl.load(b_ptr + es, mask=e_ok, other=0.0).to(out_dtype).to(tl.float32)
     logits = (acc + bias[None, :]).to(out_dtype).to(tl.float32)
-    _topk_softmax_store(logits, pid, rows, row_ok, cols, col_ok, weights_ptr, ids_ptr, hist_ptr, num_experts,
-                        TOP_K, BLOCK_K, BLOCK_T, BLOCK_E)
+    tl.store(logits_ptr + rows[:, None] * num_experts + es[None, :], logits, mask=row_ok[:, None] & e_ok[None, :])
+    # Every thread's stores precede the arrival (barrier), which releases them at GPU scope; the
+    # last program's acquire then sees all rows. Its loads bypass L1 (.cg), which may hold the
+    # previous layer's rows of the same scratch.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        cols = tl.arange(0, BLOCK_E)
+        col_ok = cols < num_experts
+        every = tl.load(logits_ptr + rows[:, None] * num_experts + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+        _topk_softmax_store(every, 0, rows, row_ok, cols, col_ok, weights_ptr, ids_ptr, hist_ptr, num_experts,
+                            TOP_K, BLOCK_K, BLOCK_T, BLOCK_E)
+        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
-                 out: MoeRouting | None = None, sort: bool = True) -> MoeRouting:
-    """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with the
-    logits computed inside the top-k kernel (T <= MAX_TOKENS)."""
+                 out: MoeRouting | None = None, sort: bool = True,
+                 scratch: RouterScratch | None = None) -> MoeRouting:
+    """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
+    the logits computed across programs of the top-k launch (T <= MAX_TOKENS)."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > MAX_TOKENS:
@@ -71,17 +105,19 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and the router weight must be contiguous along the hidden dimension")
     out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, x.device)
+    scratch = scratch or RouterScratch.allocate(num_experts, x.device)
+    if scratch.logits.shape[1] != num_experts or scratch.logits.device != x.device:
+        raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
-    block_t = token_block(num_tokens, num_experts)
-    block_e = max(16, triton.next_power_of_2(num_experts))  # tl.dot needs N >= 16
-    num_warps = 4 if block_t * block_e <= 2048 else 8
-    _router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
-        x, x.stride(0), weight, weight.stride(0), bias, out.topk_weights, out.topk_ids, out.block_hist,
-        num_tokens, num_experts, hidden, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_C=BLOCK_C, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=num_warps,
+    block_t = triton.next_power_of_2(num_tokens)
+    block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * GROUP_E))
+    _router_split_kernel[(triton.cdiv(num_experts, GROUP_E),)](
+        x, x.stride(0), weight, weight.stride(0), bias, scratch.logits, scratch.arrivals, out.topk_weights,
+        out.topk_ids, out.block_hist, num_tokens, num_experts, hidden, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts),
+        GROUP_E=GROUP_E, BLOCK_C=block_c, num_warps=8,
     )  # fmt: skip
     if sort:
-        sort_slots(out, block_t, num_warps)
+        sort_slots(out, block_t, 4)
     return out

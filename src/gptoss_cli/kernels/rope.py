@@ -6,7 +6,9 @@ Tables are fp32 [max_positions, head_dim/2]; position p uses row p.
 
 `apply_rope` rotates q and k in place in one launch, one program per token (all heads of q and k
 share that token's cos/sin row). q and k may be strided views, e.g. the q and k columns of the
-fused qkv projection output (`apply_rope_qkv`), so no copy is needed.
+fused qkv projection output (`apply_rope_qkv`), so no copy is needed. For decode the same launch
+can also write the rotated K row and the V row into the paged cache (kv_store's layout), which
+saves a launch per layer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from .kv_store import _check_store_args, cache_geometry, store_token_heads
 
 
 def yarn_inv_freq(head_dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
@@ -56,18 +60,23 @@ def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 @triton.jit
 def _rotate_heads(base, stride_h, stride_d, num_heads, c, s, live,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate heads [0, num_heads) of one token in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    """Rotate heads [0, num_heads) of one token in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+    Returns the two rotated halves as stored (input dtype), [BLOCK_H, BLOCK_HALF] each."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < num_heads) & (j < HALF) & live
+    mask = (h < num_heads) & (j < HALF)
     p1 = base + h * stride_h + j * stride_d
     p2 = p1 + HALF * stride_d
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p2, mask=mask, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    tl.store(p1, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(p2, (b * c + a * s).to(x2.dtype), mask=mask)
+    # Out-of-table positions (`live` false) keep their values.
+    r1 = tl.where(live, (a * c - b * s).to(x1.dtype), x1)
+    r2 = tl.where(live, (b * c + a * s).to(x2.dtype), x2)
+    tl.store(p1, r1, mask=mask & live)
+    tl.store(p2, r2, mask=mask & live)
+    return r1, r2
 
 
 @triton.jit
@@ -75,7 +84,9 @@ def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, num_positions,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cs,
     H, HKV,
+    v_ptr, stride_vt, stride_vh, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -86,7 +97,21 @@ def _rope_kernel(
     c = tl.load(cos_ptr + pos * stride_cs + j, mask=j < HALF, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * stride_cs + j, mask=j < HALF, other=0.0)[None, :]
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, H, c, s, live, HALF, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, HKV, c, s, live, HALF, BLOCK_HKV, BLOCK_HALF)
+    k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, HKV, c, s, live, HALF, BLOCK_HKV,
+                           BLOCK_HALF)
+    if STORE_KV:
+        # Decode: the rotated K row and the V row go to the cache here instead of in kv_store.
+        slot = tl.load(slot_ptr + t)
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        jj = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (h < HKV) & (jj < HALF)
+        store_token_heads(kc_ptr, slot, h, jj, k1, mask, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
+        store_token_heads(kc_ptr, slot, h, jj + HALF, k2, mask, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
+        vrow = v_ptr + t * stride_vt + h * stride_vh
+        v1 = tl.load(vrow + jj, mask=mask, other=0.0)
+        v2 = tl.load(vrow + jj + HALF, mask=mask, other=0.0)
+        store_token_heads(vc_ptr, slot, h, jj, v1, mask, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
+        store_token_heads(vc_ptr, slot, h, jj + HALF, v2, mask, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
 
 
 def _check_rope_args(q, k, positions, cos, sin) -> None:
@@ -106,14 +131,23 @@ def _check_rope_args(q, k, positions, cos, sin) -> None:
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> None:
+               sin: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """`apply_rope_ref` on q [T, H, D] and k [T, Hkv, D], in place, in one launch.
 
     q and k may be any strided views (math in fp32, stored in their dtype). Positions outside
     [0, P) leave their token untouched. No host sync, so it can be captured in a CUDA graph.
+    `store` = (v, k_cache, v_cache, slot_mapping): also `kv_store(rotated k, v, ...)` in the same
+    launch (v [T, Hkv, D] with contiguous D; slot -1 skips a token).
     """
     _check_rope_args(q, k, positions, cos, sin)
     tokens, heads, d = q.shape
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        block_size, _, _ = cache_geometry(k_cache, v_cache)
+        _check_store_args(k, v, k_cache, slots, k.shape[1], d)
+    else:
+        v = k_cache = v_cache = slots = k  # placeholders; STORE_KV=False never reads them
+        block_size = 1
     if tokens == 0:
         return
     cos, sin = cos.contiguous(), sin.contiguous()  # no-ops for the shared tables
@@ -122,8 +156,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
         q, k, positions, cos, sin, cos.shape[0],
         *q.stride(), *k.stride(), cos.stride(0),
         heads, k.shape[1],
+        v, v.stride(0), v.stride(1), k_cache, v_cache, slots,
+        *(k_cache.stride()[:3] if store is not None else (0, 0, 0)),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_HKV=triton.next_power_of_2(k.shape[1]), num_warps=4)
+        BLOCK_HKV=triton.next_power_of_2(k.shape[1]), STORE_KV=store is not None, BLOCK_SIZE=block_size,
+        num_warps=4)
 
 
 def qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -138,7 +175,9 @@ def qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
 
 
 def apply_rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    """Rotate the q and k columns of fused qkv [T, (H + 2 Hkv) D] in place (v is not touched)."""
-    q, k, _ = qkv_views(qkv, num_heads, num_kv_heads, head_dim)
-    apply_rope(q, k, positions, cos, sin)
+                   num_heads: int, num_kv_heads: int, head_dim: int,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Rotate the q and k columns of fused qkv [T, (H + 2 Hkv) D] in place (v is not touched).
+    `kv_cache` = (k_cache, v_cache, slot_mapping): also store the rotated k and v there (decode)."""
+    q, k, v = qkv_views(qkv, num_heads, num_kv_heads, head_dim)
+    apply_rope(q, k, positions, cos, sin, None if kv_cache is None else (v, *kv_cache))

@@ -419,6 +419,29 @@ CPU_LAUNCH = SampleLaunch(block_chunk=1024, block_window=1024, block_finish=1024
                           window=512)
 
 
+def default_splits(batch: int, num_sms: int | None) -> int:
+    """Chunks per row when the caller does not choose: about 2 programs per SM, a power of two
+    (num_sms None: the interpreter, capped by SampleLaunch.max_splits)."""
+    if num_sms is None:
+        return 1 << 30
+    return triton.next_power_of_2(triton.cdiv(2 * num_sms, max(batch, 1)))
+
+
+def _num_sms(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
+def split_classes(max_batch: int, device: torch.device) -> list[int]:
+    """The smallest batch of each default launch layout up to max_batch: sampling once at each
+    compiles every kernel variant `sample` can need for that many rows."""
+    launch = GPU_LAUNCH if device.type == "cuda" else CPU_LAUNCH
+    sms = _num_sms(device)
+    first: dict[int, int] = {}
+    for b in range(1, max_batch + 1):
+        first.setdefault(min(default_splits(b, sms), launch.max_splits), b)
+    return sorted(first.values())
+
+
 @dataclass(frozen=True)
 class _Layout:
     """How one call splits its rows: `splits` chunks of `chunk` tokens, `seg` window slots each."""
@@ -430,14 +453,14 @@ class _Layout:
     @classmethod
     def plan(cls, batch: int, vocab: int, launch: SampleLaunch, device: torch.device,
              num_splits: int | None) -> "_Layout":
-        """Enough programs to fill the GPU at small batch, one per row at large batch."""
+        """Enough programs to fill the GPU at small batch, one per row at large batch.
+
+        The default split count is a power of two: SPLITS and SEG are constexprs, so every
+        distinct count is a Triton compile (1-3 s on the H200). Any count (2 * SMs / batch) gave
+        a compile for most new row counts, e.g. inside the first prefill steps of a benchmark;
+        powers of two leave at most log2(max_splits) + 1 classes, which warm-up compiles."""
         if num_splits is None:
-            if device.type == "cuda":
-                sms = torch.cuda.get_device_properties(device).multi_processor_count
-                num_splits = triton.cdiv(2 * sms, batch)
-            else:
-                num_splits = launch.max_splits
-            num_splits = min(num_splits, launch.max_splits)
+            num_splits = min(default_splits(batch, _num_sms(device)), launch.max_splits)
         chunk = triton.cdiv(triton.cdiv(vocab, num_splits), launch.block_chunk) * launch.block_chunk
         splits = triton.cdiv(vocab, chunk)
         seg = launch.window // splits

@@ -23,7 +23,7 @@ from .preflight import check_device, kv_budget_bytes
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .warmup import warm_eager_steps
+from .warmup import warm_eager_steps, warm_sampling
 from .weights import prepare_weights
 
 
@@ -68,14 +68,16 @@ class GpuEngine(Engine):
         self.kv_cache = KvCache(cfg, plan, opts.max_batch, device, dtype)
         self.kv = KvManager(plan.full_blocks, plan.slide_blocks, opts.block_size, cfg.sliding_window)
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
+        on_cuda = torch.device(device).type == "cuda"
         model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens)
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes
         self.num_steps = 0
-        if opts.warm_up if opts.warm_up is not None else torch.device(device).type == "cuda":
+        if opts.warm_up if opts.warm_up is not None else on_cuda:
             warm_eager_steps(self, opts.max_step_tokens,
                              (lambda i, n: progress("compiling prompt kernels", i, n)) if progress else None)
+            warm_sampling(opts.max_batch, cfg.vocab_size, dtype, torch.device(device))
             self.kv.drop_prefix_cache()
             self.num_steps = 0
 

@@ -67,18 +67,19 @@ class GpuModel:
         cfg = self.cfg
         t = h.shape[0]
         qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.T)
-        apply_rope_qkv(qkv, b.positions, self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       cfg.head_dim)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
         sliding = layer.window > 0
         kc, vc = self.kv.k[n], self.kv.v[n]
         slots = b.slide_slots if sliding else b.full_slots
         tables = b.slide_tables if sliding else b.full_tables
+        # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
+        # chunk's new keys must not overwrite ring slots its own earlier queries still read.
+        apply_rope_qkv(qkv, b.positions, self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim, (kc, vc, slots) if b.decode else None)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
         if b.decode:
-            kv_store(k, v, kc, vc, slots)
             o = decode_attention(q, kc, vc, tables, b.seq_lens, layer.sinks, cfg.sm_scale, layer.window, 0,
                                  num_splits=b.num_splits[1 if sliding else 0])
         else:

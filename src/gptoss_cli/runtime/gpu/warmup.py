@@ -5,8 +5,11 @@ Triton compiles a kernel once per set of constexpr values (here the MoE tiles th
 kernels.moe.pick_config chooses from the step's token count) and once per specialisation of its
 int arguments (a value of 1, divisibility by 16). CUDA-graph capture (runner.py) compiles the pure
 decode steps only, so a benchmark's first long prompts used to pay for these compiles: 6 kernels
-in the 256-request H200 run, ~1-3 s each (docs/performance.md, session 4). With a warm Triton
-cache on disk the warm-up costs a few forward passes.
+in the 256-request H200 run, ~1-3 s each (docs/performance.md, session 4). The sampler's
+kernels also compile once per launch layout, which depends on how many rows need a token
+(kernels.sampling.split_classes); a step can have any row count up to max_batch, so each class is
+sampled once on dummy logits. With a warm Triton cache on disk the warm-up costs a few forward
+passes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from ...kernels.moe import pick_config
+from ...kernels.sampling import sample, split_classes
 from ..api import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,3 +70,12 @@ def warm_eager_steps(engine: GpuEngine, max_step_tokens: int, progress: Callable
         engine.generate([_prompt(len(sizes) + len(mixed) + j, 20, cfg.vocab_size) for j in range(many)], few)
     if progress:
         progress(total, total)
+
+
+def warm_sampling(max_batch: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Sample once per launch layout up to max_batch rows (dummy logits; nothing is kept)."""
+    for rows in split_classes(max_batch, device):
+        logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
+        ones = torch.ones(rows, device=device)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        sample(logits, ones, zeros.int(), ones, 0 * ones, zeros, zeros)
