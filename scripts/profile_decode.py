@@ -43,6 +43,17 @@ def family(name: str) -> str:
     return next(f for f, pat in FAMILIES if re.search(pat, name, re.IGNORECASE))
 
 
+def print_gaps(spans: list[tuple[float, float]], steps: int) -> None:
+    """Idle time between consecutive kernels on the device timeline, per step: short gaps are
+    launch latency inside a graph, long ones (> 20 us) host work between steps."""
+    spans.sort()
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    long = [g for g in gaps if g > 20]
+    print(f"device gaps per step: {sum(gaps) / steps:.1f} us in all; {len(long) / steps:.1f} gaps > 20 us "
+          f"({sum(long) / steps:.1f} us), {(len(gaps) - len(long)) / steps:.0f} shorter ones "
+          f"({(sum(gaps) - sum(long)) / steps:.1f} us); longest {max(gaps, default=0):.1f} us")
+
+
 def profile(eng, batch: int, steps: int) -> None:
     from gptoss_cli.runtime.api import SamplingParams
 
@@ -67,15 +78,18 @@ def profile(eng, batch: int, steps: int) -> None:
         torch.cuda.synchronize()
     per_family: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             per_family[family(ev.name)] += ev.device_time_total / steps
             per_kernel[ev.name] += ev.device_time_total / steps
+            spans.append((ev.time_range.start, ev.time_range.end))
     while eng.has_unfinished():
         eng.step()
     busy_us = sum(per_family.values())
     print(f"\nbatch {batch}: wall {wall_ms:.3f} ms/step ({batch / wall_ms * 1e3:,.0f} tok/s), "
           f"kernels {busy_us / 1e3:.3f} ms/step, idle {max(0.0, wall_ms - busy_us / 1e3):.3f} ms/step")
+    print_gaps(spans, steps)
     print(f"{'family':<22}{'us/step':>10}{'share':>8}")
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
         print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-FLOAT_ARGS = {"limit", "alpha", "qk_scale"}
+FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
 DIV16_ARGS = {"hidden", "inter"}
 
 
@@ -44,6 +44,14 @@ def _combine(splits: int):
 
     compile_sm90(mm._combine_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16"},
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": splits, "BLOCK_T": 1, "BLOCK_C": mm.COMBINE_BLOCK})
+
+
+def _combine_norm():
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    compile_sm90(mm._combine_norm_kernel, {"y_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                                           "h_ptr": "*bf16"},
+                 {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096}, num_warps=8)
 
 
 def _gemm1_asm():
@@ -107,16 +115,17 @@ def _decode_min_chunk():
                   "BLOCK_N": tiles.block_n})
 
 
-def _router_topk(tokens: int, experts: int):
+def _router_topk(tokens: int, experts: int, norm: bool = False):
     import triton
 
     from gptoss_cli.kernels import moe_router as mr
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "logits_ptr": "*fp32", "arrivals_ptr": "*i32",
-                "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32"}
+                "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
+                "y_ptr": "*bf16", "h_ptr": "*bf16"}
     block_t = triton.next_power_of_2(tokens)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
-                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E))}
+                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
@@ -132,6 +141,9 @@ CASES = {
     "gemv2-asm": lambda: _gemv("gemv2"),
     "router-topk-1-token": lambda: _router_topk(1, 32),
     "router-topk-4-tokens-128-experts": lambda: _router_topk(4, 128),
+    "router-topk-norm-1-token": lambda: _router_topk(1, 32, norm=True),
+    "router-topk-norm-4-tokens": lambda: _router_topk(4, 32, norm=True),
+    "combine-norm-1-token": _combine_norm,
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }

@@ -14,6 +14,7 @@ from gptoss_cli.kernels import moe_router, moe_routing
 from gptoss_cli.kernels.moe import (
     MoeConfig,
     MoeWorkspace,
+    moe_block,
     moe_forward,
     moe_ref,
     pick_config,
@@ -25,6 +26,7 @@ from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
     expert_weight,
     moe_combine,
+    moe_combine_norm,
     moe_combine_ref,
     moe_gemm1_swiglu,
     moe_gemm1_swiglu_ref,
@@ -32,6 +34,7 @@ from gptoss_cli.kernels.moe_matmul import (
     moe_gemm2_ref,
 )
 from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
+from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -534,3 +537,56 @@ def test_cuda_graph_replay_matches_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_forward(x.clone(), rw, rb, w, top_k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,splits", [(1, 2880, 1), (3, 100, 2), (4, 64, 1)])
+def test_combine_norm_equals_combine_then_rms_norm(device, dtype, tokens, hidden, splits):
+    # The fused launch must give the same bits as the two launches it replaces (same sum order,
+    # same roundings, the same normalize_rows code).
+    top_k = 4
+    y = torch.randn(splits * tokens * top_k, hidden, device=device)
+    residual = torch.randn(tokens, hidden, device=device).to(dtype)
+    weight = torch.rand(hidden, device=device).to(dtype)
+    got, got_h = moe_combine_norm(y, top_k, residual, weight, 1e-5, splits=splits)
+    want, want_h = rms_norm(moe_combine(y, top_k, dtype, splits=splits), weight, 1e-5, residual)
+    assert got.dtype == dtype and torch.equal(got_h, want_h)
+    # On the GPU the two kernels could contract h * rstd * w into different FMAs: 1 ulp at most.
+    assert torch.equal(got, want) if device == "cpu" else rel_err(got.float(), want.float()) < 4e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+def test_moe_block_matches_norm_moe_norm(device, tokens):
+    # 1 and 4 tokens: both norms fused (router and combine launches); 5: the three separate steps.
+    experts, hidden, inter, top_k = 4, 64, 96, 2
+    raw = _raw_weights(experts, hidden, inter, device)
+    w = prepare_moe_weights(*raw)
+    x, residual = torch.randn(tokens, hidden, device=device), torch.randn(tokens, hidden, device=device)
+    norm_w, next_w = torch.rand(hidden, device=device) + 0.5, torch.rand(hidden, device=device) + 0.5
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    before = (x.clone(), residual.clone())
+    got, got_r = moe_block(x, residual, norm_w, next_w, 1e-5, rw, rb, w, top_k)
+    h, r = rms_norm_ref(x, norm_w, 1e-5, residual)
+    want, want_r = rms_norm_ref(moe_ref(h, rw, rb, *raw, top_k), next_w, 1e-5, r)
+    assert_close(got_r, want_r, _tol(torch.float32, device), "residual")
+    assert_close(got, want, _tol(torch.float32, device), "normed")
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs untouched
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300)])
+def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
+    # Each program writes its slice of the normalised rows and of x + residual: together, all of it,
+    # equal to the rms_norm kernel; the routing equals routing the normed rows.
+    experts = 32
+    x, residual = torch.randn(tokens, hidden, device=device), torch.randn(tokens, hidden, device=device)
+    weight = torch.rand(hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    norm = moe_router.RouterNorm(residual, weight, 1e-5, torch.full_like(x, float("nan")),
+                                 torch.full_like(x, float("nan")))
+    got = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, norm=norm)
+    want_y, want_h = rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(norm.residual_out, want_h)
+    assert_close(norm.out, want_y, 1e-6, "normed rows")
+    assert torch.equal(got.topk_ids, route(router_logits(norm.out, rw, rb), 4, 16).topk_ids)
+    with pytest.raises(ValueError, match="alias"):
+        moe_router.route_tokens(x, rw, rb, 4, 16, norm=moe_router.RouterNorm(residual, weight, 1e-5, x, norm.out))

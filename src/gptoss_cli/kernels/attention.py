@@ -209,7 +209,9 @@ def _attend_chunk(q, i, i0, num_q, m, l, acc, k_ptr, v_ptr, q_begin, kv_head, qk
     return m, l, acc
 
 
-@triton.jit
+# Counts that vary with the step are not specialised (= 1, divisible by 16): each new
+# combination would be a Triton compile in the middle of serving (runtime/gpu/warmup.py).
+@triton.jit(do_not_specialize=["num_q_tiles"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, ctx_ptr, sinks_ptr, out_ptr,
     qk_scale, window, ring_blocks, num_q_tiles,

@@ -28,6 +28,7 @@ from .moe_matmul import (
     MoeConfig,
     MoeWeights,
     moe_combine,
+    moe_combine_norm,
     moe_gemm1_swiglu,
     moe_gemm2,
     pick_config,
@@ -35,12 +36,18 @@ from .moe_matmul import (
 )
 from .moe_routing import MoeRouting, route
 from .mxfp4 import dequantize_mxfp4
+from .rmsnorm import rms_norm
+
+# moe_block fuses its norms into the router and the combine up to this many tokens (the combine
+# then runs one program per token over a whole row: at larger T separate launches spread better).
+NORM_FUSED_MAX_TOKENS = 4
 
 __all__ = [
     "MoeConfig",
     "MoeWeights",
     "MoeWorkspace",
     "moe_forward",
+    "moe_block",
     "moe_ref",
     "pick_config",
     "prepare_moe_weights",
@@ -168,6 +175,51 @@ def moe_forward(
 
     `config` forces a regime and tile sizes (default: pick_config from T).
     """
+    y, cfg = _expert_outputs(x, router_weight, router_bias, w, top_k, limit, alpha, workspace, config)
+    with record_function("moe.combine"):
+        return moe_combine(y, top_k, x.dtype, splits=cfg.split_k)
+
+
+def moe_block(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    next_norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor,
+    w: MoeWeights,
+    top_k: int,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    workspace: MoeWorkspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole MoE block and the next block's norm, as (normed input of the next block, residual):
+
+        h, r = rms_norm(x, norm_weight, eps, residual)
+        return rms_norm(moe_forward(h, ...), next_norm_weight, eps, r)
+
+    For at most NORM_FUSED_MAX_TOKENS tokens with the fused router, the first norm runs inside
+    the router launch and the second inside the combine (two launches less per layer at batch 1);
+    otherwise the three steps run as written."""
+    cfg = pick_config(x.shape[0], w.num_experts, top_k)
+    if x.shape[0] > NORM_FUSED_MAX_TOKENS or not cfg.fused_router or x.shape[0] > moe_router.MAX_TOKENS:
+        h, r = rms_norm(x, norm_weight, eps, residual)
+        return rms_norm(moe_forward(h, router_weight, router_bias, w, top_k, limit, alpha, workspace),
+                        next_norm_weight, eps, r)
+    x, residual = x.contiguous(), residual.contiguous()
+    norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x))
+    y, cfg = _expert_outputs(norm.out, router_weight, router_bias, w, top_k, limit, alpha, workspace, cfg,
+                             route_input=x, norm=norm)
+    with record_function("moe.combine+norm"):
+        return moe_combine_norm(y, top_k, norm.residual_out, next_norm_weight, eps, splits=cfg.split_k)
+
+
+def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, limit: float, alpha: float,
+                    workspace: MoeWorkspace | None, config: MoeConfig | None, route_input: torch.Tensor | None = None,
+                    norm: moe_router.RouterNorm | None = None) -> tuple[torch.Tensor, MoeConfig]:
+    """Routing and both expert matmuls: (y [P*T*K, C] fp32 per slot, in slot order, the config).
+    With `norm` the fused router normalises `route_input` and writes x (= norm.out) itself."""
     _check_forward_args(x, router_weight, router_bias, w)
     if not 1 <= top_k <= w.num_experts:
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
@@ -177,8 +229,9 @@ def moe_forward(
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
     if cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS:
         with record_function("moe.router+route"):
-            routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
-                                              sort=not cfg.gemv, scratch=workspace.router if workspace else None)
+            routing = moe_router.route_tokens(x if norm is None else route_input, router_weight, router_bias,
+                                              top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv,
+                                              scratch=workspace.router if workspace else None, norm=norm)
     else:
         with record_function("moe.router"):
             # The same function as moe_ref, so the logits (and the chosen experts) match bit for bit.
@@ -191,5 +244,4 @@ def moe_forward(
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
         y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
-    with record_function("moe.combine"):
-        return moe_combine(y, top_k, dt, splits=cfg.split_k)
+    return y, cfg

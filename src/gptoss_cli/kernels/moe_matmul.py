@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_routing import MoeRouting
+from .rmsnorm import normalize_rows
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
 
 # Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
@@ -364,7 +365,9 @@ def _mx_matmul(
     return acc
 
 
-@triton.jit
+# Counts that vary with the step are not specialised (= 1, divisible by 16): each new
+# combination would be a Triton compile in the middle of serving (runtime/gpu/warmup.py).
+@triton.jit(do_not_specialize=["num_tiles"])
 def _gemm1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
@@ -395,7 +398,9 @@ def _gemm1_swiglu_kernel(
     tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < inter)[None, :])
 
 
-@triton.jit
+# Counts that vary with the step are not specialised (= 1, divisible by 16): each new
+# combination would be a Triton compile in the middle of serving (runtime/gpu/warmup.py).
+@triton.jit(do_not_specialize=["num_tiles", "num_rows"])
 def _gemm2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, sorted_slots_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr,
@@ -446,6 +451,48 @@ def _combine_kernel(
             acc += tl.load(y_ptrs + s * slab + k * hidden, mask=ok, other=0.0)
     out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * hidden + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_norm_kernel(
+    y_ptr, res_ptr, w_ptr, out_ptr, h_ptr, num_tokens, hidden, eps, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # One program per token, whole rows: the combine, then rms_norm(combined, w, eps, residual).
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    ok = cols < hidden
+    slab = tl.cast(num_tokens, tl.int64) * TOP_K * hidden
+    acc = tl.zeros((1, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # the order of _combine_kernel: the same sum
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * slab + (token * TOP_K + k) * hidden + cols[None, :], mask=ok[None, :], other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    moe_out = acc.to(dtype)  # what moe_forward returns
+    r = tl.load(res_ptr + token * hidden + cols[None, :], mask=ok[None, :], other=0.0)
+    h = (moe_out.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rms_norm's rounded residual sum
+    tl.store(h_ptr + token * hidden + cols[None, :], h, mask=ok[None, :])
+    y = normalize_rows(h, w_ptr, cols, ok, hidden, eps)
+    tl.store(out_ptr + token * hidden + cols[None, :], y.to(dtype), mask=ok[None, :])
+
+
+def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(moe_combine(y, top_k, residual.dtype, splits=splits), weight, eps, residual) in one
+    launch (one program per token, whole rows): (normed [T, C], new residual [T, C])."""
+    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % (top_k * splits):
+        raise ValueError(f"y must be a contiguous fp32 [{splits}*T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
+    tokens, hidden = y.shape[0] // (top_k * splits), y.shape[1]
+    if residual.shape != (tokens, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
+        raise ValueError(f"residual {tuple(residual.shape)} / weight {tuple(weight.shape)} do not match y's "
+                         f"{tokens} tokens x {hidden}")
+    out, h = torch.empty_like(residual), torch.empty_like(residual)
+    if tokens:
+        block_c = triton.next_power_of_2(hidden)
+        _combine_norm_kernel[(tokens,)](y, residual, weight.contiguous(), out, h, tokens, hidden, float(eps),
+                                        TOP_K=top_k, SPLITS=splits, BLOCK_C=block_c,
+                                        num_warps=max(1, min(8, block_c // 512)))
+    return out, h
 
 
 def _check_activation(a: torch.Tensor, rows: int, cols: int, name: str) -> None:

@@ -9,6 +9,10 @@ a scratch row and counts its arrival on an atomic counter; the last program to a
 top-k/softmax of moe_routing over all experts and resets the counter for the next launch (and the
 next graph replay).
 
+The MoE block's input norm can run here too (`RouterNorm`): every program needs the whole
+normalised row for its dot products anyway, and writes its slice of it and of the residual
+stream, which saves the rms_norm launch.
+
 The logits are rounded to the activation dtype as F.linear does (fp32 sum, bias added in fp32, one
 rounding). The summation order differs from cuBLAS, so a logit can differ in its last bit, which
 changes the chosen experts only at exact ties after rounding.
@@ -51,11 +55,23 @@ class RouterScratch:
 
 
 @triton.jit
+def _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cols, mask, NORM: tl.constexpr):
+    """fp32 [BLOCK_T, BLOCK_C] tile of x, or with NORM of x + residual rounded to x's dtype (the
+    residual stream as rms_norm stores it)."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=mask, other=0.0)
+    if NORM:
+        r = tl.load(res_ptr + rows[:, None] * stride_rt + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _router_split_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, b_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, hist_ptr,
     num_tokens, num_experts, hidden,
+    res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
@@ -64,11 +80,29 @@ def _router_split_kernel(
     e_ok = es < num_experts
     cs = tl.arange(0, BLOCK_C)
     out_dtype = x_ptr.dtype.element_ty
+    if NORM:
+        # rms_norm(x, nw, eps, residual) first: every program needs the whole normalised row, and
+        # writes its own slice of it (y, the MoE input) and of the new residual stream (h).
+        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for c0 in range(0, hidden, BLOCK_C):
+            mask = row_ok[:, None] & (c0 + cs < hidden)[None, :]
+            h = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
+            sq += tl.sum(h * h, 1)
+        rstd = tl.rsqrt(sq / hidden + eps)
+        own = tl.cdiv(hidden, tl.num_programs(0))
     acc = tl.zeros((BLOCK_T, GROUP_E), dtype=tl.float32)
     for c0 in range(0, hidden, BLOCK_C):
         c_ok = c0 + cs < hidden
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + c0 + cs[None, :], mask=row_ok[:, None] & c_ok[None, :],
-                    other=0.0).to(tl.float32)
+        mask = row_ok[:, None] & c_ok[None, :]
+        x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
+        if NORM:
+            nw = tl.load(nw_ptr + c0 + cs, mask=c_ok, other=0.0).to(tl.float32)
+            y = (x * rstd[:, None] * nw[None, :]).to(out_dtype)
+            mine = mask & ((c0 + cs) // own == pid)[None, :]
+            dst = rows[:, None] * hidden + c0 + cs[None, :]
+            tl.store(h_ptr + dst, x.to(out_dtype), mask=mine)
+            tl.store(y_ptr + dst, y, mask=mine)
+            x = y.to(tl.float32)
         # F.linear casts the weight to the activation dtype first: so do we.
         w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
                     other=0.0).to(out_dtype).to(tl.float32)
@@ -91,11 +125,24 @@ def _router_split_kernel(
         tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
 
+@dataclass
+class RouterNorm:
+    """rms_norm(x, weight, eps, residual) done inside route_tokens: the normalised rows go to `out`
+    (the MoE input) and x + residual to `residual_out` ([T, C] contiguous, x.dtype)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor
+    residual_out: torch.Tensor
+
+
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
-                 out: MoeRouting | None = None, sort: bool = True,
-                 scratch: RouterScratch | None = None) -> MoeRouting:
+                 out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
+                 norm: RouterNorm | None = None) -> MoeRouting:
     """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
-    the logits computed across programs of the top-k launch (T <= MAX_TOKENS)."""
+    the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
+    router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > MAX_TOKENS:
@@ -104,6 +151,16 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not match x {tuple(x.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and the router weight must be contiguous along the hidden dimension")
+    if norm is not None:
+        for name in ("residual", "out", "residual_out"):
+            t = getattr(norm, name)
+            if t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1 or t.device != x.device:
+                raise ValueError(f"norm.{name} must be a {x.dtype} [T, C] tensor like x, got {t.dtype} {tuple(t.shape)}")
+        if not (norm.out.is_contiguous() and norm.residual_out.is_contiguous()) or norm.weight.shape != (hidden,):
+            raise ValueError("norm.out / norm.residual_out must be contiguous and norm.weight [C]")
+        inputs = {x.data_ptr(), norm.residual.data_ptr()}
+        if norm.out.data_ptr() in inputs or norm.residual_out.data_ptr() in inputs:
+            raise ValueError("norm.out / norm.residual_out must not alias x or the residual (other programs read them)")
     out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, x.device)
     scratch = scratch or RouterScratch.allocate(num_experts, x.device)
     if scratch.logits.shape[1] != num_experts or scratch.logits.device != x.device:
@@ -112,11 +169,14 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         return out
     block_t = triton.next_power_of_2(num_tokens)
     block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * GROUP_E))
+    n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
     _router_split_kernel[(triton.cdiv(num_experts, GROUP_E),)](
         x, x.stride(0), weight, weight.stride(0), bias, scratch.logits, scratch.arrivals, out.topk_weights,
-        out.topk_ids, out.block_hist, num_tokens, num_experts, hidden, TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts),
-        GROUP_E=GROUP_E, BLOCK_C=block_c, num_warps=8,
+        out.topk_ids, out.block_hist, num_tokens, num_experts, hidden,
+        n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
+        BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=GROUP_E, BLOCK_C=block_c, NORM=norm is not None,
+        num_warps=8,
     )  # fmt: skip
     if sort:
         sort_slots(out, block_t, 4)

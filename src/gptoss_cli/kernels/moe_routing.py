@@ -224,7 +224,9 @@ def _write_tile_table(
         tl.store(tile_start_ptr + j, start, mask=j < num_tiles)
 
 
-@triton.jit
+# Counts that vary with the step are not specialised (= 1, divisible by 16): each new
+# combination would be a Triton compile in the middle of serving (runtime/gpu/warmup.py).
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks", "num_tiles"])
 def _sort_slots_kernel(
     ids_ptr, hist_ptr, counts_ptr, offsets_ptr, sorted_slots_ptr, slot_rows_ptr,
     tile_expert_ptr, tile_start_ptr, num_tokens, num_experts, num_blocks, num_tiles,

@@ -43,11 +43,18 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if STORE_H:
         tl.store(h_ptr + rows * stride_h + cols[None, :], x, mask=mask)
+    y = normalize_rows(x, w_ptr, cols, col_ok, C, eps)
+    tl.store(y_ptr + rows * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def normalize_rows(x, w_ptr, cols, col_ok, C, eps):
+    """fp32 y = h * rsqrt(mean(h^2) + eps) * weight for whole rows x [R, BLOCK_C] (the stored h,
+    masked columns 0). Shared with the MoE combine that ends a layer (moe_matmul.py)."""
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 1) / C + eps)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = h * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + rows * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    return h * rstd[:, None] * w[None, :]
 
 
 def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_forward,
+from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
                         prefill_attention, rms_norm, rope_cos_sin)
 from .kv_cache import KvCache
 from .weights import GpuWeights, LayerWeights
@@ -50,17 +50,22 @@ class GpuModel:
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] (activation dtype) for the requested rows."""
         cfg = self.cfg
-        x = self.w.embed[b.tokens]
-        residual = None
-        for n, layer in enumerate(self.w.layers):
-            h, residual = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, residual)
+        eps, layers = cfg.rms_norm_eps, self.w.layers
+        h, residual = rms_norm(self.w.embed[b.tokens], layers[0].attn_norm, eps)
+        for n, layer in enumerate(layers):
             x = self._attention(n, layer, h, b)
-            h, residual = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps, residual)
-            x = moe_forward(h, layer.router_w, layer.router_b, layer.experts, cfg.num_experts_per_tok,
-                            cfg.swiglu_limit, cfg.swiglu_alpha, self.moe_workspace)
-        if b.logits_rows is not None:
-            x, residual = x[b.logits_rows], residual[b.logits_rows]
-        h, _ = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps, residual)
+            moe = (layer.router_w, layer.router_b, layer.experts, cfg.num_experts_per_tok, cfg.swiglu_limit,
+                   cfg.swiglu_alpha, self.moe_workspace)
+            if n + 1 == len(layers) and b.logits_rows is not None:
+                # Prompt chunks: only the rows that need logits go through the final norm.
+                h, residual = rms_norm(x, layer.mlp_norm, eps, residual)
+                x = moe_forward(h, *moe)
+                h, _ = rms_norm(x[b.logits_rows], self.w.final_norm, eps, residual[b.logits_rows])
+            else:
+                # The block's norm and the next block's (the final norm after the last layer) are
+                # fused into the MoE launches for decode-sized steps (kernels.moe.moe_block).
+                norm = self.w.final_norm if n + 1 == len(layers) else layers[n + 1].attn_norm
+                h, residual = moe_block(x, residual, layer.mlp_norm, norm, eps, *moe)
         return h @ self.w.lm_head.T
 
     def _attention(self, n: int, layer: LayerWeights, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:

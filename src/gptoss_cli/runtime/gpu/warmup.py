@@ -8,8 +8,9 @@ decode steps only, so a benchmark's first long prompts used to pay for these com
 in the 256-request H200 run, ~1-3 s each (docs/performance.md, session 4). The sampler's
 kernels also compile once per launch layout, which depends on how many rows need a token
 (kernels.sampling.split_classes); a step can have any row count up to max_batch, so each class is
-sampled once on dummy logits. With a warm Triton cache on disk the warm-up costs a few forward
-passes.
+sampled once on dummy logits. Counts that are not a function of T alone (MoE tiles, routing
+blocks, prefill query tiles) are marked do_not_specialize in their kernels, so they add no
+classes. With a warm Triton cache on disk the warm-up costs a few forward passes.
 """
 
 from __future__ import annotations
