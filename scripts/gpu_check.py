@@ -198,8 +198,11 @@ def section_load(args) -> None:
     # 64 MiB of fp32 KV = 702 16-token full-layer blocks, fewer than 64 long requests need: preemptions too
     eng = _engine(random_weights("tiny", seed=3, device="cuda"), max_batch=64, max_step_tokens=512,
                   block_size=16, kv_memory_bytes=64 << 20, max_context=1024, dtype="float32")
+    before = _triton_cache_entries()
     r = run_load_check(eng, num_requests=1000, seed=0, max_prompt=600, max_new=32,
                        progress=lambda line: print(f"[load] {line}", flush=True))
+    compiled = _triton_cache_entries() - before
+    row("load", "Triton kernels compiled after warm-up", f"{len(compiled)} ({_compiled_names(compiled)})")
     print(r.summary())
     RESULTS["load"] = r.summary()
 
