@@ -125,7 +125,8 @@ def _router_topk(tokens: int, experts: int, norm: bool = False):
                 "y_ptr": "*bf16", "h_ptr": "*bf16"}
     block_t = triton.next_power_of_2(tokens)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
-                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm}
+                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm,
+                  "ONE_STEP": block_t == 1}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)

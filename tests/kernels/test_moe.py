@@ -253,11 +253,11 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
 
 
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
-                                                        (4, 128, 96, 4)])
+                                                        (4, 128, 96, 4), (4, 32, 2500, 4)])
 @pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
 def test_fused_router_matches_linear_then_route(device, tokens, experts, hidden, top_k, sort):
     # 5 experts: the last program of two has one masked expert; hidden 300 / 520 / 96 are not
-    # powers of two (masked columns); 4 tokens take the multi-step column loop.
+    # powers of two (masked columns); 4 tokens x 2500 columns take the multi-step column loop.
     x = torch.randn(tokens, hidden, device=device)
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
     got = moe_router.route_tokens(x, rw, rb, top_k, 16, sort=sort)
@@ -573,7 +573,7 @@ def test_moe_block_matches_norm_moe_norm(device, tokens):
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs untouched
 
 
-@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300)])
+@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300), (4, 2500)])  # the last: several column steps
 def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
     # Each program writes its slice of the normalised rows and of x + residual: together, all of it,
     # equal to the rms_norm kernel; the routing equals routing the normed rows.

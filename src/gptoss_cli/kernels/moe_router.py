@@ -66,12 +66,26 @@ def _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cols, mask, NORM: 
 
 
 @triton.jit
+def _normed_slice(h, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype: tl.constexpr):
+    """y = h * rstd * nw rounded to the activation dtype (rms_norm's output) for columns c0 + cs;
+    stores this program's slice of y and of h (the rows' residual stream) and returns y in fp32.
+    Mirrors rmsnorm.normalize_rows, whose arithmetic it must repeat."""
+    nw = tl.load(nw_ptr + c0 + cs, mask=c_ok, other=0.0).to(tl.float32)
+    y = (h * rstd[:, None] * nw[None, :]).to(out_dtype)
+    mine = mask & ((c0 + cs) // tl.cdiv(hidden, tl.num_programs(0)) == pid)[None, :]
+    dst = rows[:, None] * hidden + c0 + cs[None, :]
+    tl.store(h_ptr + dst, h.to(out_dtype), mask=mine)
+    tl.store(y_ptr + dst, y, mask=mine)
+    return y.to(tl.float32)
+
+
+@triton.jit
 def _router_split_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, b_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr, hist_ptr,
     num_tokens, num_experts, hidden,
     res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr,
+    GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
@@ -80,33 +94,38 @@ def _router_split_kernel(
     e_ok = es < num_experts
     cs = tl.arange(0, BLOCK_C)
     out_dtype = x_ptr.dtype.element_ty
-    if NORM:
-        # rms_norm(x, nw, eps, residual) first: every program needs the whole normalised row, and
-        # writes its own slice of it (y, the MoE input) and of the new residual stream (h).
-        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for c0 in range(0, hidden, BLOCK_C):
-            mask = row_ok[:, None] & (c0 + cs < hidden)[None, :]
-            h = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
-            sq += tl.sum(h * h, 1)
-        rstd = tl.rsqrt(sq / hidden + eps)
-        own = tl.cdiv(hidden, tl.num_programs(0))
-    acc = tl.zeros((BLOCK_T, GROUP_E), dtype=tl.float32)
-    for c0 in range(0, hidden, BLOCK_C):
-        c_ok = c0 + cs < hidden
-        mask = row_ok[:, None] & c_ok[None, :]
-        x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
-        if NORM:
-            nw = tl.load(nw_ptr + c0 + cs, mask=c_ok, other=0.0).to(tl.float32)
-            y = (x * rstd[:, None] * nw[None, :]).to(out_dtype)
-            mine = mask & ((c0 + cs) // own == pid)[None, :]
-            dst = rows[:, None] * hidden + c0 + cs[None, :]
-            tl.store(h_ptr + dst, x.to(out_dtype), mask=mine)
-            tl.store(y_ptr + dst, y, mask=mine)
-            x = y.to(tl.float32)
-        # F.linear casts the weight to the activation dtype first: so do we.
-        w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
+    if ONE_STEP:
+        # The whole row in one step (batch 1): the weight load is issued first, so its latency
+        # overlaps the loads and the statistics of the norm.
+        c_ok = cs < hidden
+        w = tl.load(w_ptr + es[:, None] * stride_we + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
                     other=0.0).to(out_dtype).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        mask = row_ok[:, None] & c_ok[None, :]
+        x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cs, mask, NORM)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, 1) / hidden + eps)
+            x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, 0, cs, c_ok, mask, hidden, pid, out_dtype)
+        acc = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    else:
+        if NORM:
+            # rms_norm(x, nw, eps, residual) first: every program needs the whole normalised row.
+            sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for c0 in range(0, hidden, BLOCK_C):
+                mask = row_ok[:, None] & (c0 + cs < hidden)[None, :]
+                h = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
+                sq += tl.sum(h * h, 1)
+            rstd = tl.rsqrt(sq / hidden + eps)
+        acc = tl.zeros((BLOCK_T, GROUP_E), dtype=tl.float32)
+        for c0 in range(0, hidden, BLOCK_C):
+            c_ok = c0 + cs < hidden
+            mask = row_ok[:, None] & c_ok[None, :]
+            x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
+            if NORM:
+                x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype)
+            # F.linear casts the weight to the activation dtype first: so do we.
+            w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
+                        other=0.0).to(out_dtype).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     bias = tl.load(b_ptr + es, mask=e_ok, other=0.0).to(out_dtype).to(tl.float32)
     logits = (acc + bias[None, :]).to(out_dtype).to(tl.float32)
     tl.store(logits_ptr + rows[:, None] * num_experts + es[None, :], logits, mask=row_ok[:, None] & e_ok[None, :])
@@ -176,6 +195,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=GROUP_E, BLOCK_C=block_c, NORM=norm is not None,
+        ONE_STEP=block_c >= hidden,
         num_warps=8,
     )  # fmt: skip
     if sort:
