@@ -477,7 +477,7 @@ def _combine_norm_kernel(
 
 
 def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     splits: int = 1, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(moe_combine(y, top_k, residual.dtype, splits=splits), weight, eps, residual) in one
     launch (one program per token, whole rows): (normed [T, C], new residual [T, C])."""
     if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % (top_k * splits):
@@ -491,7 +491,7 @@ def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight
         block_c = triton.next_power_of_2(hidden)
         _combine_norm_kernel[(tokens,)](y, residual, weight.contiguous(), out, h, tokens, hidden, float(eps),
                                         TOP_K=top_k, SPLITS=splits, BLOCK_C=block_c,
-                                        num_warps=max(1, min(8, block_c // 512)))
+                                        num_warps=num_warps or max(1, min(8, block_c // 512)))
     return out, h
 
 

@@ -37,6 +37,7 @@ from .moe_routing import (
 # reuses each weight row over the tokens; here every token is a row of a register tile).
 MAX_TOKENS = 4
 GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
+NUM_WARPS = 8
 PRODUCT_ELEMS = 8192  # elements of one [tokens, experts, columns] product step
 
 
@@ -158,10 +159,12 @@ class RouterNorm:
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
                  out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
-                 norm: RouterNorm | None = None) -> MoeRouting:
+                 norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS) -> MoeRouting:
     """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
     the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
-    router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out."""
+    router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out.
+    `group_e` (experts per program, a power of two) and `num_warps` are launch choices
+    (benchmarks/bench_router.py sweeps them)."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > MAX_TOKENS:
@@ -187,16 +190,15 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     if num_tokens == 0:
         return out
     block_t = triton.next_power_of_2(num_tokens)
-    block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * GROUP_E))
+    block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
-    _router_split_kernel[(triton.cdiv(num_experts, GROUP_E),)](
+    _router_split_kernel[(triton.cdiv(num_experts, group_e),)](
         x, x.stride(0), weight, weight.stride(0), bias, scratch.logits, scratch.arrivals, out.topk_weights,
         out.topk_ids, out.block_hist, num_tokens, num_experts, hidden,
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
-        BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=GROUP_E, BLOCK_C=block_c, NORM=norm is not None,
-        ONE_STEP=block_c >= hidden,
-        num_warps=8,
+        BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=group_e, BLOCK_C=block_c, NORM=norm is not None,
+        ONE_STEP=block_c >= hidden, num_warps=num_warps,
     )  # fmt: skip
     if sort:
         sort_slots(out, block_t, 4)

@@ -1,0 +1,87 @@
+"""Launch sweep of the batch-1 MoE block edges (a script, not a test): the router launch with the
+block's input norm (kernels/moe_router.py) and the combine with the next block's norm
+(moe_matmul.moe_combine_norm), against the separate launches they replace.
+
+    PYTHONPATH=src python benchmarks/bench_router.py        # H200
+
+For each case: median time of a CUDA-graph replay (triton.testing.do_bench_cudagraph), and whether
+its outputs equal the separate launches' (chosen experts identical, normalised rows within one
+bf16 step). The weights stay in L2 across replays, unlike in the engine, so the times are lower
+bounds; the sweep is for choosing launch parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _time_us(fn) -> float:
+    import triton
+
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+
+
+def _router_rows(experts: int, hidden: int = 2880) -> list[tuple]:
+    """(label, us, outputs ok, (group_e, num_warps) or None for the separate launches)"""
+    from gptoss_cli.kernels import moe_router
+    from gptoss_cli.kernels.moe import router_logits
+    from gptoss_cli.kernels.moe_routing import route
+    from gptoss_cli.kernels.rmsnorm import rms_norm
+
+    x = torch.randn(1, hidden, device="cuda").bfloat16()
+    residual = torch.randn(1, hidden, device="cuda").bfloat16()
+    norm_w = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).bfloat16()
+    rb = torch.randn(experts, device="cuda").bfloat16()
+    h, _ = rms_norm(x, norm_w, 1e-5, residual)
+    want = route(router_logits(h, rw, rb), 4, 16, sort=False)
+    rows = [(f"router E={experts}: rms_norm + F.linear + top-k (3-4 launches)",
+             _time_us(lambda: route(router_logits(rms_norm(x, norm_w, 1e-5, residual)[0], rw, rb), 4, 16, sort=False)),
+             True, None)]
+    scratch = moe_router.RouterScratch.allocate(experts, "cuda")
+    for group_e in (1, 2, 4):
+        for warps in (2, 4, 8):
+            norm = moe_router.RouterNorm(residual, norm_w, 1e-5, torch.empty_like(x), torch.empty_like(x))
+            out = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, scratch=scratch, norm=norm, group_e=group_e,
+                                          num_warps=warps)
+            ok = torch.equal(out.topk_ids, want.topk_ids) and torch.allclose(norm.out.float(), h.float(), rtol=1e-2)
+            us = _time_us(lambda: moe_router.route_tokens(x, rw, rb, 4, 16, out=out, sort=False, scratch=scratch,
+                                                          norm=norm, group_e=group_e, num_warps=warps))
+            rows.append((f"router E={experts}: fused, group_e={group_e} warps={warps}", us, ok, (group_e, warps)))
+    return rows
+
+
+def _combine_rows(hidden: int = 2880, top_k: int = 4) -> list[tuple]:
+    """(label, us, outputs ok, num_warps or None for the separate launches)"""
+    from gptoss_cli.kernels.moe_matmul import moe_combine, moe_combine_norm
+    from gptoss_cli.kernels.rmsnorm import rms_norm
+
+    y = torch.randn(top_k, hidden, device="cuda")
+    residual = torch.randn(1, hidden, device="cuda").bfloat16()
+    norm_w = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
+    want, _ = rms_norm(moe_combine(y, top_k, torch.bfloat16), norm_w, 1e-5, residual)
+    rows = [("combine: moe_combine + rms_norm (2 launches)",
+             _time_us(lambda: rms_norm(moe_combine(y, top_k, torch.bfloat16), norm_w, 1e-5, residual)), True, None)]
+    for warps in (4, 8, 16):
+        got, _ = moe_combine_norm(y, top_k, residual, norm_w, 1e-5, num_warps=warps)
+        ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        us = _time_us(lambda: moe_combine_norm(y, top_k, residual, norm_w, 1e-5, num_warps=warps))
+        rows.append((f"combine: fused, warps={warps}", us, ok, warps))
+    return rows
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    for label, us, ok, _ in _router_rows(32) + _router_rows(128) + _combine_rows():
+        print(f"{label:<62}{us:7.2f} us  {'ok' if ok else 'MISMATCH'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
