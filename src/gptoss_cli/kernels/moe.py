@@ -38,10 +38,6 @@ from .moe_routing import MoeRouting, route
 from .mxfp4 import dequantize_mxfp4
 from .rmsnorm import rms_norm
 
-# moe_block fuses its norms into the router and the combine up to this many tokens (the combine
-# then runs one program per token over a whole row: at larger T separate launches spread better).
-NORM_FUSED_MAX_TOKENS = 4
-
 __all__ = [
     "MoeConfig",
     "MoeWeights",
@@ -199,27 +195,31 @@ def moe_block(
         h, r = rms_norm(x, norm_weight, eps, residual)
         return rms_norm(moe_forward(h, ...), next_norm_weight, eps, r)
 
-    For at most NORM_FUSED_MAX_TOKENS tokens with the fused router, the first norm runs inside
-    the router launch and the second inside the combine (two launches less per layer at batch 1);
-    otherwise the three steps run as written."""
+    When the fused router runs (steps of at most moe_router.MAX_TOKENS tokens), the first norm
+    runs inside the router launch and the second inside the combine, one program per token over a
+    whole row (two launches less per layer at batch 1); otherwise the three steps run as written."""
     cfg = pick_config(x.shape[0], w.num_experts, top_k)
-    if x.shape[0] > NORM_FUSED_MAX_TOKENS or not cfg.fused_router or x.shape[0] > moe_router.MAX_TOKENS:
+    if not _router_fused(cfg, x.shape[0]):
         h, r = rms_norm(x, norm_weight, eps, residual)
         return rms_norm(moe_forward(h, router_weight, router_bias, w, top_k, limit, alpha, workspace),
                         next_norm_weight, eps, r)
     x, residual = x.contiguous(), residual.contiguous()
     norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x))
-    y, cfg = _expert_outputs(norm.out, router_weight, router_bias, w, top_k, limit, alpha, workspace, cfg,
-                             route_input=x, norm=norm)
+    y, cfg = _expert_outputs(x, router_weight, router_bias, w, top_k, limit, alpha, workspace, cfg, norm)
     with record_function("moe.combine+norm"):
         return moe_combine_norm(y, top_k, norm.residual_out, next_norm_weight, eps, splits=cfg.split_k)
 
 
+def _router_fused(cfg: MoeConfig, num_tokens: int) -> bool:
+    return cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS
+
+
 def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, limit: float, alpha: float,
-                    workspace: MoeWorkspace | None, config: MoeConfig | None, route_input: torch.Tensor | None = None,
+                    workspace: MoeWorkspace | None, config: MoeConfig | None,
                     norm: moe_router.RouterNorm | None = None) -> tuple[torch.Tensor, MoeConfig]:
     """Routing and both expert matmuls: (y [P*T*K, C] fp32 per slot, in slot order, the config).
-    With `norm` the fused router normalises `route_input` and writes x (= norm.out) itself."""
+    With `norm` (fused router only) x is the block's input before its norm: the router launch
+    writes the normalised rows to norm.out, which the expert matmuls then read."""
     _check_forward_args(x, router_weight, router_bias, w)
     if not 1 <= top_k <= w.num_experts:
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
@@ -227,11 +227,12 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
     num_tokens, dt = x.shape[0], x.dtype
     cfg = config or pick_config(num_tokens, w.num_experts, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
-    if cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS:
+    if _router_fused(cfg, num_tokens):
         with record_function("moe.router+route"):
-            routing = moe_router.route_tokens(x if norm is None else route_input, router_weight, router_bias,
-                                              top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv,
-                                              scratch=workspace.router if workspace else None, norm=norm)
+            routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
+                                              sort=not cfg.gemv, scratch=workspace.router if workspace else None,
+                                              norm=norm)
+        x = x if norm is None else norm.out
     else:
         with record_function("moe.router"):
             # The same function as moe_ref, so the logits (and the chosen experts) match bit for bit.
