@@ -139,12 +139,13 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "gemv-fp32": {"gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
     "f16-k256": {"block_k": 256},
     "f16-n32": {"block_n1": 32},
-    "f16-n2-8": {"block_n2": 8},
+    "f16-n2-16": {"block_n2": 16},  # session 4-5's gemm2 default
+    "f16-n1-8": {"block_n1": 8},
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "fused-router", "gemv-fp32", "f16-n32", "f16-k256", "f16-n2-8"],
+    1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
     64: ["default", "fused-router", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "dot_scaled"],
 }

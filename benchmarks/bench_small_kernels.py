@@ -2,7 +2,8 @@
 
 Cases: rms_norm (with the residual add) at T = 1, 64, 4096 and C = 2880; rope on q and k of the
 fused qkv output at T = 1, 64, 4096; sample at B = 1, 64, 256 and V = 201088 for greedy,
-temperature-only and top-p = 0.9 rows. The logits are bf16 and shaped like a language model's
+temperature-only and top-p = 0.9 rows; the batch-1 qkv and o projections in each form torch
+offers (cuBLAS chooses differently per form). The logits are bf16 and shaped like a language model's
 (a few strong tokens well above a broad tail), where a top-p row's threshold search runs on its
 small window; "top-p=0.9 flat" rows have no strong tokens, so their window overflows and the
 search re-reads the whole row (the slow path). For each case it prints the median time, the
@@ -159,11 +160,48 @@ def _sample_cases(sizes: Sizes, device: str) -> list[Case]:
             for b in sizes.sample_batches for name, mode in modes.items()]
 
 
-def bench(device: str = "cuda", sizes: Sizes = Sizes()) -> list[dict]:
-    """Time every case; one dict per case with kernel, case, ms, bytes, tbps, peak_fraction."""
+# Batch-1 projections: cuBLAS picks its kernel from the call's shape and layout, so the same
+# product is timed in the forms torch offers (the engine uses addmm).
+PROJECTIONS = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM)}
+PROJECTION_FORMS = {
+    "addmm": lambda x, w, b: torch.addmm(b, x, w.T),
+    "linear": lambda x, w, b: torch.nn.functional.linear(x, w, b),
+    "addmv": lambda x, w, b: torch.addmv(b, w, x[0]),
+    "addmm W@x^T": lambda x, w, b: torch.addmm(b[:, None], w, x.T),
+}
+# kernels/linear.py's row_linear at a few (rows per program, warps).
+ROW_LINEAR_LAUNCHES = [(1, 4), (2, 4), (4, 8), (2, 2)]
+
+
+def _row_linear_form(block_n: int, num_warps: int):
+    from gptoss_cli.kernels.linear import row_linear
+
+    return lambda x, w, b: row_linear(x, w, b, block_n=block_n, num_warps=num_warps)
+
+
+def _projection_cases(device: str) -> list[Case]:
+    def make(n, k, form):
+        def build(_copy):
+            x = torch.randn(1, k, device=device).bfloat16()
+            w = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
+            b = torch.randn(n, device=device).bfloat16()
+            return lambda: form(x, w, b)
+        return build
+
+    forms = dict(PROJECTION_FORMS)
+    forms |= {f"row_linear n{bn} w{nw}": _row_linear_form(bn, nw) for bn, nw in ROW_LINEAR_LAUNCHES}
+    return [Case("linear", f"T=1 {name} {k}->{n} {label}", 2 * (n * k + n + k), make(n, k, form))
+            for name, (n, k) in PROJECTIONS.items() for label, form in forms.items()]
+
+
+def bench(device: str = "cuda", sizes: Sizes = Sizes(), only: str | None = None) -> list[dict]:
+    """Time every case (or only those of one kernel); one dict per case with kernel, case, ms, bytes,
+    tbps, peak_fraction."""
     timer = _time_gpu if device == "cuda" else _time_cpu
     results = []
-    for case in _rms_norm_cases(sizes, device) + _rope_cases(sizes, device) + _sample_cases(sizes, device):
+    cases = (_rms_norm_cases(sizes, device) + _rope_cases(sizes, device) + _sample_cases(sizes, device)
+             + _projection_cases(device))
+    for case in (c for c in cases if only is None or c.kernel == only):
         calls = [case.make(i) for i in range(_copies(case.nbytes, device))]
         ms = timer(calls)
         tbps = case.nbytes / (ms * 1e-3) / 1e12
@@ -187,6 +225,7 @@ def _print_table(results: list[dict], device: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--only", choices=["rms_norm", "rope", "sample", "linear"], help="one kernel's cases")
     args = parser.parse_args(argv)
     if args.smoke:
         # Must be set before any kernel module is imported (the kernels are decorated at import).
@@ -197,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("no CUDA GPU: run with --smoke for the CPU interpreter path")
         device, sizes = "cuda", Sizes()
     torch.manual_seed(0)
-    _print_table(bench(device, sizes), device)
+    _print_table(bench(device, sizes, args.only), device)
 
 
 if __name__ == "__main__":

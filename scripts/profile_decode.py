@@ -34,6 +34,7 @@ FAMILIES = [
     ("rms norm", r"rms"),
     ("rope", r"rope"),
     ("sampling", r"sampl|_gumbel|_argmax|_top"),
+    ("dense gemv (Triton)", r"_row_linear"),
     ("dense gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|cublas|nvjet"),
     ("other", r""),
 ]

@@ -11,7 +11,7 @@ import sys
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
-DIV16_ARGS = {"hidden", "inter"}
+DIV16_ARGS = {"hidden", "inter", "n", "k"}
 
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
@@ -51,7 +51,7 @@ def _combine_norm():
 
     compile_sm90(mm._combine_norm_kernel, {"y_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                                            "h_ptr": "*bf16"},
-                 {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096}, num_warps=8)
+                 {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
 def _gemm1_asm():
@@ -87,11 +87,11 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
         return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16},
+                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
                             num_warps)
     pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
     return compile_sm90(mg._gemv2_kernel, pointers,
-                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16},
+                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
                         num_warps)
 
 
@@ -108,11 +108,28 @@ def _decode_min_chunk():
     tiles = da.decode_tiles(num_splits=32)
     compile_sm90(da._decode_split_kernel, pointers, {
         "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n, "NUM_SPLITS": 32,
-        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16}, tiles.num_warps, tiles.num_stages)
+        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "PDL": True}, tiles.num_warps, tiles.num_stages)
     compile_sm90(da._decode_reduce_kernel, {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*bf16",
                                             "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
                  {"HEAD_DIM": 64, "NUM_SPLITS": 33, "BLOCK_S": 64, "MIN_CHUNK": tiles.min_chunk,
-                  "BLOCK_N": tiles.block_n})
+                  "BLOCK_N": tiles.block_n, "PDL": True})
+
+
+def _rope_store():
+    from gptoss_cli.kernels import rope
+
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
+    pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
+    compile_sm90(rope._rope_kernel, pointers, {
+        "HALF": 32, "BLOCK_HALF": 32, "BLOCK_H": 64, "BLOCK_HKV": 8, "STORE_KV": True, "BLOCK_SIZE": 64,
+        "PDL": True})
+
+
+def _row_linear(block_n: int, num_warps: int):
+    from gptoss_cli.kernels import linear
+
+    compile_sm90(linear._row_linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"},
+                 {"BLOCK_N": block_n, "BLOCK_K": 4096, "PDL": True}, num_warps=num_warps)
 
 
 def _router_topk(tokens: int, experts: int, norm: bool = False):
@@ -126,7 +143,7 @@ def _router_topk(tokens: int, experts: int, norm: bool = False):
     block_t = triton.next_power_of_2(tokens)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
                   "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm,
-                  "ONE_STEP": block_t == 1}
+                  "ONE_STEP": block_t == 1, "PDL": True}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
@@ -145,6 +162,9 @@ CASES = {
     "router-topk-norm-1-token": lambda: _router_topk(1, 32, norm=True),
     "router-topk-norm-4-tokens": lambda: _router_topk(4, 32, norm=True),
     "combine-norm-1-token": _combine_norm,
+    "rope-store-kv": _rope_store,
+    "row-linear-2x4": lambda: _row_linear(2, 4),
+    "row-linear-4x8": lambda: _row_linear(4, 8),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }

@@ -7,6 +7,7 @@ the same kernels run on the CPU (tests); bf16 is loaded and computed in fp32 the
 from .attention import prefill_attention
 from .decode_attention import choose_num_splits, decode_attention
 from .kv_store import kv_store
+from .linear import row_linear, supports_row_linear
 from .moe import MoeWorkspace, moe_block, moe_forward
 from .moe_matmul import MoeConfig, MoeWeights, prepare_moe_weights
 from .rmsnorm import rms_norm
@@ -16,5 +17,5 @@ from .sampling import SamplingRows, sample
 __all__ = [
     "MoeConfig", "MoeWeights", "MoeWorkspace", "apply_rope", "apply_rope_qkv", "choose_num_splits",
     "decode_attention", "kv_store", "moe_block", "moe_forward", "prefill_attention", "prepare_moe_weights",
-    "rms_norm", "rope_cos_sin", "sample", "SamplingRows",
+    "rms_norm", "rope_cos_sin", "row_linear", "sample", "SamplingRows", "supports_row_linear",
 ]

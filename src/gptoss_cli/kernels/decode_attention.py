@@ -22,6 +22,7 @@ import triton.language as tl
 from .attention import (LOG2E, LOG2E_C, check_int32, check_sinks_scale, dot_dtype, is_interpreted,
                         softmax_step)
 from .kv_store import cache_geometry, load_kv_tile
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -74,23 +75,25 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C  # a weight: before the wait
+    wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    g_ok = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
-    sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C
     m = sink
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
@@ -118,18 +121,19 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_ml_ptr, sinks_ptr, seq_lens_ptr, out_ptr, window, num_heads, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (sequence, query head): all partials in one masked load, only the splits
     that hold keys (a loop over every split made this kernel cost more than the split kernel)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C  # a weight: before the wait
+    wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     live = offs_s < tl.cdiv(seq_len - start, chunk)
     rows = (seq * num_heads + head) * NUM_SPLITS + offs_s
-    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C
     m = tl.load(part_ml_ptr + rows * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + rows * 2 + 1, mask=live, other=0.0)
     # Every partial max is >= the sink (splits start from it); an idle row has M = sink.
@@ -205,12 +209,12 @@ def decode_attention(
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, DOT_DTYPE=dot_dtype(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(pdl_enabled(q)),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_o, part_ml, sinks, seq_lens, out, window, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            MIN_CHUNK=min_chunk, BLOCK_N=tiles.block_n, num_warps=4,
+            MIN_CHUNK=min_chunk, BLOCK_N=tiles.block_n, num_warps=4, **pdl_launch(pdl_enabled(q)),
         )
     return out

@@ -38,6 +38,7 @@ from .moe_matmul import (
     _swiglu,
 )
 from .moe_routing import MoeRouting
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
 @triton.jit
@@ -220,7 +221,9 @@ def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)  # the routing comes from the launch just before
     slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
@@ -240,8 +243,9 @@ def _gemv1_swiglu_kernel(
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
@@ -264,10 +268,10 @@ def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, nam
     return _out_buffer(out, (routing.num_tokens * routing.top_k, cols_out), dtype, a)
 
 
-def _launch_options(config: MoeConfig, dtype: torch.dtype) -> dict:
-    """The launch arguments both gemv kernels take from the config."""
-    asm = _dot_scaled_format(config, dtype) == "asm"
-    return {"BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
+def _launch_options(config: MoeConfig, a: torch.Tensor) -> dict:
+    """The launch arguments both gemv kernels take from the config and their input `a`."""
+    asm = _dot_scaled_format(config, a.dtype) == "asm"
+    return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
             "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -283,7 +287,7 @@ def moe_gemv1_swiglu(
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate,
-        float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x.dtype),
+        float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x),
     )  # fmt: skip
     return act
 
@@ -300,6 +304,6 @@ def moe_gemv2(
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, **_launch_options(config, act.dtype),
+        BLOCK_N=config.block_n2, **_launch_options(config, act),
     )  # fmt: skip
     return y

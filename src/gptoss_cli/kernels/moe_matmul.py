@@ -39,6 +39,7 @@ from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .moe_routing import MoeRouting
 from .rmsnorm import normalize_rows
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 # Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
 DECODE_MAX_ROWS_PER_EXPERT = 16
@@ -93,8 +94,9 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     if num_tokens == 1:
         # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
         # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
-        # with 32 columns, 41.2 in fp32); gemm2 11.9 us with 16 rows (19.5 in fp32).
-        return MoeConfig("decode", 16, 16, 16, 512, num_warps=4, num_stages=3, asm_dequant=True, gemv=True,
+        # with 32 columns, 41.2 in fp32). gemm2 with 8 rows per program: the engine's batch-1 step
+        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6).
+        return MoeConfig("decode", 16, 16, 8, 512, num_warps=4, num_stages=3, asm_dequant=True, gemv=True,
                          gemv_f16=True, fused_router=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
@@ -456,9 +458,10 @@ def _combine_kernel(
 @triton.jit
 def _combine_norm_kernel(
     y_ptr, res_ptr, w_ptr, out_ptr, h_ptr, num_tokens, hidden, eps, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per token, whole rows: the combine, then rms_norm(combined, w, eps, residual).
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     ok = cols < hidden
@@ -491,7 +494,8 @@ def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight
         block_c = triton.next_power_of_2(hidden)
         _combine_norm_kernel[(tokens,)](y, residual, weight.contiguous(), out, h, tokens, hidden, float(eps),
                                         TOP_K=top_k, SPLITS=splits, BLOCK_C=block_c,
-                                        num_warps=num_warps or max(1, min(8, block_c // 512)))
+                                        num_warps=num_warps or max(1, min(8, block_c // 512)),
+                                        **pdl_launch(pdl_enabled(y)))
     return out, h
 
 

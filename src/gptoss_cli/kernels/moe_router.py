@@ -32,6 +32,7 @@ from .moe_routing import (
     routing_buffers,
     sort_slots,
 )
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 # Above this many tokens the logits go through F.linear and moe_routing.route (there cuBLAS
 # reuses each weight row over the tokens; here every token is a row of a register tile).
@@ -87,6 +88,7 @@ def _router_split_kernel(
     res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
@@ -95,12 +97,14 @@ def _router_split_kernel(
     e_ok = es < num_experts
     cs = tl.arange(0, BLOCK_C)
     out_dtype = x_ptr.dtype.element_ty
+    bias = tl.load(b_ptr + es, mask=e_ok, other=0.0).to(out_dtype).to(tl.float32)
     if ONE_STEP:
-        # The whole row in one step (batch 1): the weight load is issued first, so its latency
-        # overlaps the loads and the statistics of the norm.
+        # The whole row in one step (batch 1): the weight load is issued first (before the wait
+        # under PDL), so its latency overlaps the previous launch's tail and the norm's loads.
         c_ok = cs < hidden
         w = tl.load(w_ptr + es[:, None] * stride_we + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
                     other=0.0).to(out_dtype).to(tl.float32)
+        wait_for_previous(PDL)
         mask = row_ok[:, None] & c_ok[None, :]
         x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cs, mask, NORM)
         if NORM:
@@ -108,6 +112,7 @@ def _router_split_kernel(
             x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, 0, cs, c_ok, mask, hidden, pid, out_dtype)
         acc = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     else:
+        wait_for_previous(PDL)
         if NORM:
             # rms_norm(x, nw, eps, residual) first: every program needs the whole normalised row.
             sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -127,7 +132,6 @@ def _router_split_kernel(
             w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
                         other=0.0).to(out_dtype).to(tl.float32)
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    bias = tl.load(b_ptr + es, mask=e_ok, other=0.0).to(out_dtype).to(tl.float32)
     logits = (acc + bias[None, :]).to(out_dtype).to(tl.float32)
     tl.store(logits_ptr + rows[:, None] * num_experts + es[None, :], logits, mask=row_ok[:, None] & e_ok[None, :])
     # Every thread's stores precede the arrival (barrier), which releases them at GPU scope; the
@@ -198,7 +202,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=group_e, BLOCK_C=block_c, NORM=norm is not None,
-        ONE_STEP=block_c >= hidden, num_warps=num_warps,
+        ONE_STEP=block_c >= hidden, num_warps=num_warps, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     if sort:
         sort_slots(out, block_t, 4)

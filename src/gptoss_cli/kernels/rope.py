@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
 def yarn_inv_freq(head_dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
@@ -86,8 +87,9 @@ def _rope_kernel(
     H, HKV,
     v_ptr, stride_vt, stride_vh, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     # Out-of-table positions (e.g. -1 for padded slots of a captured batch) are left untouched.
@@ -160,7 +162,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
         *(k_cache.stride()[:3] if store is not None else (0, 0, 0)),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_HKV=triton.next_power_of_2(k.shape[1]), STORE_KV=store is not None, BLOCK_SIZE=block_size,
-        num_warps=4)
+        num_warps=4, **pdl_launch(pdl_enabled(q)))
 
 
 def qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,

@@ -40,6 +40,8 @@ class GpuEngineConfig:
     # Compile the eager (prompt and mixed) steps' kernels at start (warmup.py). None: on CUDA only
     # (under the CPU interpreter every step costs seconds).
     warm_up: bool | None = None
+    # One-token qkv / o projections in kernels.linear.row_linear instead of cuBLAS (batch 1).
+    row_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -69,7 +71,7 @@ class GpuEngine(Engine):
         self.kv = KvManager(plan.full_blocks, plan.slide_blocks, opts.block_size, cfg.sliding_window)
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
         on_cuda = torch.device(device).type == "cuda"
-        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens)
+        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear)
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
-                        prefill_attention, rms_norm, rope_cos_sin)
+                        prefill_attention, rms_norm, rope_cos_sin, row_linear, supports_row_linear)
 from .kv_cache import KvCache
 from .weights import GpuWeights, LayerWeights
 
@@ -38,8 +38,10 @@ class ForwardBatch:
 
 
 class GpuModel:
-    def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int):
+    def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
+                 use_row_linear: bool = True):
         self.w = weights
+        self.use_row_linear = use_row_linear
         self.cfg = cfg = weights.config
         self.kv = kv
         device = weights.embed.device
@@ -71,7 +73,7 @@ class GpuModel:
     def _attention(self, n: int, layer: LayerWeights, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         t = h.shape[0]
-        qkv = torch.addmm(layer.qkv_b, h, layer.qkv_w.T)
+        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
         sliding = layer.window > 0
         kc, vc = self.kv.k[n], self.kv.v[n]
         slots = b.slide_slots if sliding else b.full_slots
@@ -91,4 +93,9 @@ class GpuModel:
             o = prefill_attention(q, k, v, kc, vc, tables, b.cu_seqlens, b.ctx_lens, layer.sinks, cfg.sm_scale,
                                   layer.window, 0, b.max_seqlen_q, b.max_ctx_len)
             kv_store(k, v, kc, vc, slots)
-        return torch.addmm(layer.o_b, o.reshape(t, cfg.q_size), layer.o_w.T)
+        return self._linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.use_row_linear and supports_row_linear(x, w):
+            return row_linear(x, w, b)
+        return torch.addmm(b, x, w.T)
