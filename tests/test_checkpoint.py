@@ -11,7 +11,13 @@ from safetensors.torch import load_file, save_file
 from gptoss_cli.runtime.checkpoint import INDEX_FILE, expected_tensors, load_checkpoint
 from gptoss_cli.runtime.config import ModelConfig
 from gptoss_cli.runtime.errors import CheckpointError
-from gptoss_cli.runtime.random_checkpoint import random_weights, write_checkpoint
+from gptoss_cli.runtime.model_ref import ReferenceModel
+from gptoss_cli.runtime.random_checkpoint import (
+    build_random_weights,
+    random_weights,
+    successor_permutation,
+    write_checkpoint,
+)
 
 MINI = ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=16,
@@ -58,10 +64,66 @@ def test_random_checkpoint_is_seeded(ckpt, tmp_path):
     assert torch.equal(a[name], b[name]) and not torch.equal(a[name], c[name])
 
 
-def test_in_memory_random_tiny_matches_schema():
-    w = random_weights("tiny", seed=0)
-    for name, spec in expected_tensors(w.config).items():
-        assert tuple(w.tensors[name].shape) == spec.shape, name
+@pytest.fixture(scope="module")
+def tiny():
+    return random_weights("tiny", seed=0, confident=True)
+
+
+def test_in_memory_random_tiny_matches_schema(tiny):
+    for name, spec in expected_tensors(tiny.config).items():
+        assert tuple(tiny.tensors[name].shape) == spec.shape, name
+
+
+def test_confident_readout_is_opt_in(tiny):
+    """Only the lm_head differs; the default keeps the Gaussian readout the token-equality tests need."""
+    plain = random_weights("tiny", seed=0)
+    for name, t in plain.tensors.items():
+        assert torch.equal(t, tiny.tensors[name]) == (name != "lm_head.weight"), name
+
+
+def test_lm_head_puts_the_successor_on_top(tiny):
+    """A hidden state along token t's embedding (rms 1, as after the final norm) reads out
+    successor(t) clearly above every other token (the old Gaussian lm_head gave a random argmax
+    with a ~0.2 sd gap)."""
+    embed, head = tiny.tensors["model.embed_tokens.weight"].float(), tiny.tensors["lm_head.weight"].float()
+    tokens = torch.randint(0, 201088, (64,), generator=torch.Generator().manual_seed(0))
+    h = embed[tokens] / embed[tokens].pow(2).mean(-1, keepdim=True).sqrt()
+    top = (h @ head.T).topk(2, dim=-1)
+    assert torch.equal(top.indices[:, 0], successor_permutation(201088, seed=0)[tokens])
+    assert (top.values[:, 0] - top.values[:, 1]).min() > 2.0
+
+
+def test_reference_greedy_is_confident_and_bf16_agrees(tiny):
+    """Through the whole model: the greedy token stands > 1 logit sd above the runner-up, so
+    bf16 and fp32 references decode the same 16 greedy tokens."""
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = ReferenceModel(tiny, dtype=dtype)
+        prompts = [torch.randint(0, 199998, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in (1, 40, 150)]
+        caches = [m.new_cache() for _ in prompts]
+        logits = m.forward([(p, c) for p, c in zip(prompts, caches)])
+        out = []
+        for _ in range(16):
+            top = logits.topk(2, dim=-1)
+            if dtype == torch.float32:
+                assert ((top.values[:, 0] - top.values[:, 1]) / logits.std(-1)).min() > 1.0
+                assert torch.isfinite(logits).all()
+            out.append(top.indices[:, 0])
+            logits = m.forward([([t], c) for t, c in zip(top.indices[:, 0].tolist(), caches)])
+        outs[dtype] = torch.stack(out)
+    assert torch.equal(outs[torch.float32], outs[torch.bfloat16])
+
+
+def test_lm_head_shard_equals_in_memory(tmp_path):
+    """The confident lm_head regenerates the embedding it needs, so its shard alone reproduces it."""
+    d = write_checkpoint(tmp_path / "c", "mini", seed=3, config=MINI, max_shard_bytes=150_000, tokenizer=False,
+                         confident=True)
+    (d / "tokenizer.json").write_text("{}")
+    w = build_random_weights(MINI, seed=3, confident=True)
+    name = "lm_head.weight"
+    assert torch.equal(load_checkpoint(d).tensors[name], w.tensors[name])
+    assert not torch.equal(w.tensors[name], build_random_weights(MINI, seed=4, confident=True).tensors[name])
 
 
 def test_not_a_directory(tmp_path):

@@ -7,6 +7,42 @@ gain or a small embedding makes a random 24-layer stack amplify rounding ~1000x,
 bf16 implementations agree (docs/optimizations.md). The output is meaningless text at the real
 model's speed. `write_checkpoint` saves one as a real checkpoint
 directory (config, shards + index, tokenizer.json, generation_config.json).
+
+Confident readout (lm_head, opt-in: `confident=True`). With Gaussian lm_head rows the logits
+over 201,088 tokens are a flat cloud whose top-two gap (~0.15 sigma) is below bf16 noise (logits
+~6 % apart bf16 vs fp32), so no two bf16 implementations agree on greedy decoding past ~4
+tokens. Real models are confident; the opt-in readout is too, through a seeded "successor"
+bigram:
+
+    lm_head[v] = (b_v + a * e[pi^-1(v)] / |e[pi^-1(v)]|) / sqrt(1 + a^2),   b_v ~ N(0, 1/C)
+
+pi is a seeded permutation of the vocabulary (the successor of token t is pi(t); own generator
+"lm_head.weight:successor"), e the stored embedding rows (std 4, regenerated inside this branch
+from the embedding's own generator, so a shard still generates on its own; O(V C), in row
+chunks). The final hidden state h has |h| ~ sqrt(C) and, as the residual stream is dominated by
+the current token's embedding, cosine c with e[t], c ~ 4 / sqrt(16 + 2 L * 0.4): 0.4 is the
+variance one attention or MoE block adds to the stream at the 20b shapes (0.23-0.39 at other
+widths, where c is then underestimated and the margin a little larger). Every other logit stays
+~ N(0, 1) (a random unit direction . h ~ N(0, 1)); the successor's is a*sqrt(C)*c / sqrt(1 + a^2)
++ N(0, 1 / (1 + a^2)), and `a` is solved so that its mean is E[max of V N(0, 1)] (4.55 for the
+full vocabulary) + SUCCESSOR_MARGIN = 4 sigma: a = 0.24 for 20b, 0.28 for 120b, 1.5 for tiny.
+Measured (scripts/debug_confident.py, 20 prompts x 64 greedy tokens, on 20b): median
+gap to the runner-up 4.2 sd, 1st percentile 1.7, minimum 1.0; bf16 and fp32 references agree on
+20/20 prompts (0/20 with the old init). A margin of 3 left the closest of the 1280 decisions
+0.01 sd from a tie on 20b and lost 1 prompt of 20 at 704 wide; 2.5 and 2 lost 4 and 5.
+
+What this costs. Greedy decoding now follows the chain t -> pi(t) -> ... (100 % of tokens at
+margin 4), and context only decides near-ties, which a bf16-proof margin makes rare: the greedy
+comparison can only fail for bugs that move the logits by ~1 sd or more. Injected into the fp32
+reference of 20b, a dropped sink, queries rotated one position late, one layer's attention
+skipped and a decode step that ignores the KV cache (logits 14-22 % off, 2.5-4x bf16's error)
+changed 0 of the 20 greedy outputs; a bug must now be caught by a logits tolerance, whose power
+is unchanged (same trunk, readout rows still near-random directions). Softmax probability of the
+greedy token is only ~2 % (e^8.5 / (V e^0.5 + e^8.5)), so sampling at temperature 1 stays diverse.
+That is also why it is not the default: the test suite's token-equality checks (batched == one
+at a time, graph == eager, prefix-cached == uncached, engine == reference in fp32) rely on the
+flat readout, where any numerical slip flips a token. It serves the bf16 greedy-agreement check
+(`gpu_check.py e20b`), whose bf16 noise would otherwise fail every implementation.
 """
 
 from __future__ import annotations
@@ -26,6 +62,12 @@ from .errors import ModelSpecError
 PREFIX = "random:"
 # E2M1 values are uniform over 16 codes; their root mean square is sqrt(68.5 / 8).
 _FP4_RMS = math.sqrt(68.5 / 8)
+_EMBED_STD = 4.0
+EMBED_NAME = "model.embed_tokens.weight"
+# The successor's logit stands this many logit sigmas above the expected maximum of the rest.
+SUCCESSOR_MARGIN = 4.0
+_BLOCK_VARIANCE = 0.4  # residual variance one attention or MoE block adds (20b shapes, measured)
+_CHUNK_ROWS = 8192  # lm_head rows per step of the successor write (bounds temporaries)
 
 
 def random_config(name: str) -> ModelConfig:
@@ -59,13 +101,13 @@ def _float_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device:
         t = normal(0.1, 1.0)
     elif name.endswith("sinks"):
         t = normal(1.5)
-    elif name == "model.embed_tokens.weight":
-        t = normal(4.0)  # a residual stream dominated by the embedding damps layer-to-layer growth
+    elif name == EMBED_NAME:
+        t = normal(_EMBED_STD)  # a residual stream dominated by the embedding damps layer-to-layer growth
     elif name.endswith("router.weight"):
         t = normal(2.0 / math.sqrt(fan_in))
     elif name.endswith("bias"):
         t = normal(0.2)
-    else:  # q/k/v/o projections and lm_head
+    else:  # q/k/v/o projections and the Gaussian lm_head
         t = normal(1.0 / math.sqrt(fan_in))
     return t.to(torch.bfloat16)
 
@@ -84,19 +126,70 @@ def _packed_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device
     return (127 + exponent + jitter).to(torch.uint8)
 
 
-def random_tensor(name: str, spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
+def expected_gaussian_max(n: int) -> float:
+    """E[max of n independent N(0, 1)] (extreme-value expansion; within 0.03 for n >= 1000)."""
+    r = math.sqrt(2 * math.log(n))
+    return r - (math.log(math.log(n)) + math.log(4 * math.pi)) / (2 * r) + 0.5772156649 / r
+
+
+def successor_gain(vocab_size: int, hidden_size: int, num_layers: int,
+                   margin: float | None = None) -> float:
+    """`a` in the module docstring: the successor's logit lands `margin` sigmas above the
+    expected maximum of the other vocab_size - 1 logits."""
+    margin = SUCCESSOR_MARGIN if margin is None else margin
+    cos = _EMBED_STD / math.sqrt(_EMBED_STD ** 2 + 2 * num_layers * _BLOCK_VARIANCE)
+    s = (expected_gaussian_max(vocab_size) + margin) / (math.sqrt(hidden_size) * cos)
+    s = min(s, 0.95)  # too narrow a model for the target: take the largest sane gain
+    return s / math.sqrt(1 - s * s)
+
+
+def successor_permutation(vocab_size: int, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """perm[t] is the token the readout favours after token t (its own generator, so it can be
+    drawn without the lm_head)."""
+    dev = torch.device(device)
+    return torch.randperm(vocab_size, generator=_generator(seed, "lm_head.weight:successor", dev), device=dev)
+
+
+def _lm_head(shape: tuple[int, ...], seed: int, num_layers: int, device: torch.device) -> torch.Tensor:
+    v, c = shape
+    g = _generator(seed, "lm_head.weight", device)
+    out = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 1.0 / math.sqrt(c), generator=g)
+    perm = successor_permutation(v, seed, device)
+    a = successor_gain(v, c, num_layers)
+    embed = random_tensor(EMBED_NAME, TensorSpec(shape, False), seed, device)  # as stored (bf16)
+    for start in range(0, v, _CHUNK_ROWS):
+        e = embed[start:start + _CHUNK_ROWS].float()
+        rows = perm[start:start + _CHUNK_ROWS]
+        out[rows] += e * (a / e.norm(dim=-1, keepdim=True))
+    out.mul_(1.0 / math.sqrt(1.0 + a * a))
+    return out.to(torch.bfloat16)
+
+
+def random_tensor(name: str, spec: TensorSpec, seed: int, device: torch.device,
+                  config: ModelConfig | None = None, confident: bool = False) -> torch.Tensor:
+    """One tensor of a random checkpoint, a function of (seed, name) only. The confident lm_head
+    also reads the layer count from `config` (default: 24 layers, as in 20b)."""
+    if name == "lm_head.weight" and confident:
+        layers = (config or ModelConfig()).num_hidden_layers
+        return _lm_head(spec.shape, seed, layers, device)
     g = _generator(seed, name, device)
     make = _packed_tensor if spec.packed else _float_tensor
     return make(name, spec.shape, g, device)
 
 
-def random_weights(name: str, seed: int = 0, device: str | torch.device = "cpu") -> ModelWeights:
-    """Build random:NAME in memory on `device` (120b needs ~65 GB there)."""
-    cfg = random_config(name)
+def build_random_weights(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                         source: str = "random:custom", confident: bool = False) -> ModelWeights:
+    """Random weights for any config, by the same code path as random:NAME."""
     dev = torch.device(device)
-    tensors = {n: random_tensor(n, s, seed, dev) for n, s in expected_tensors(cfg).items()}
-    return ModelWeights(config=cfg, tensors=tensors, generation_config=GenerationConfig(),
-                        source=f"{PREFIX}{name}")
+    tensors = {n: random_tensor(n, s, seed, dev, cfg, confident) for n, s in expected_tensors(cfg).items()}
+    return ModelWeights(config=cfg, tensors=tensors, generation_config=GenerationConfig(), source=source)
+
+
+def random_weights(name: str, seed: int = 0, device: str | torch.device = "cpu",
+                   confident: bool = False) -> ModelWeights:
+    """Build random:NAME in memory on `device` (120b needs ~65 GB there); `confident`: the
+    successor readout of the module docstring."""
+    return build_random_weights(random_config(name), seed, device, f"{PREFIX}{name}", confident)
 
 
 def _tensor_bytes(spec: TensorSpec) -> int:
@@ -118,10 +211,10 @@ def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int) -> list[lis
 
 def write_checkpoint(directory: str | os.PathLike, name: str, seed: int = 0, device: str | torch.device = "cpu",
                      max_shard_bytes: int = 4_800_000_000, config: ModelConfig | None = None,
-                     tokenizer: bool = True) -> Path:
+                     tokenizer: bool = True, confident: bool = False) -> Path:
     """Write random:NAME (or `config`) as a real HF checkpoint directory; tensors are generated one
     shard at a time so peak memory stays near one shard. `tokenizer=False` skips tokenizer.json
-    (a few seconds to derive the merges). Returns the directory."""
+    (a few seconds to derive the merges); `confident`: the successor readout. Returns the directory."""
     from safetensors.torch import save_file
 
     cfg = config or random_config(name)
@@ -132,7 +225,7 @@ def write_checkpoint(directory: str | os.PathLike, name: str, seed: int = 0, dev
     weight_map, total = {}, 0
     for i, names in enumerate(plan):
         fname = f"model-{i:05d}-of-{len(plan) - 1:05d}.safetensors"
-        shard = {n: random_tensor(n, specs[n], seed, torch.device(device)).cpu() for n in names}
+        shard = {n: random_tensor(n, specs[n], seed, torch.device(device), cfg, confident).cpu() for n in names}
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         for n in names:
             weight_map[n] = fname
