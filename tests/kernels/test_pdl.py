@@ -17,7 +17,7 @@ from gptoss_cli.runtime.config import ModelConfig
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_pdl_is_off_on_the_cpu_and_its_launch_arguments(monkeypatch):
+def test_pdl_is_off_on_the_cpu_and_its_launch_arguments():
     assert not pdl_enabled(torch.zeros(1))
     assert pdl_launch(False) == {"PDL": False}
     assert pdl_launch(True) == {"PDL": True, "launch_pdl": True}
@@ -39,12 +39,13 @@ def _layer_weights(cfg: ModelConfig, gen: torch.Generator):
         return (torch.randn(*shape, generator=gen, device="cuda") * std).to(dt)
 
     e, inter = cfg.num_local_experts, cfg.intermediate_size
-    blocks = lambda n, k: torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device="cuda",  # noqa: E731
-                                        generator=gen)
-    scales = lambda n, k: torch.randint(118, 122, (e, n, k // 32), dtype=torch.uint8, device="cuda",  # noqa: E731
-                                        generator=gen)
-    experts = prepare_moe_weights(blocks(2 * inter, c), scales(2 * inter, c), torch.randn(e, 2 * inter, device="cuda"),
-                                  blocks(c, inter), scales(c, inter), torch.randn(e, c, device="cuda"))
+
+    def packed(n, k):  # MXFP4 blocks and scales around 2**-7, checkpoint layout
+        return (torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device="cuda", generator=gen),
+                torch.randint(118, 122, (e, n, k // 32), dtype=torch.uint8, device="cuda", generator=gen))
+
+    experts = prepare_moe_weights(*packed(2 * inter, c), torch.randn(e, 2 * inter, device="cuda"),
+                                  *packed(c, inter), torch.randn(e, c, device="cuda"))
     width = cfg.q_size + 2 * cfg.kv_size
     return {"qkv_w": rnd(width, c, std=c**-0.5), "qkv_b": rnd(width, std=0.1), "o_w": rnd(c, cfg.q_size, std=0.02),
             "o_b": rnd(c, std=0.1), "router_w": rnd(e, c, std=c**-0.5), "router_b": rnd(e), "sinks": rnd(cfg.num_attention_heads),

@@ -3,16 +3,15 @@ before it has finished, and what it may do until then.
 
 A decode step is a chain of ~250 short launches; between two of them the GPU idles for the
 launch latency and the first kernel's tail. A kernel launched with PDL may be scheduled as soon
-as every program of its predecessor has called `release_next` (or exited); it then runs its
-prologue and blocks in `wait_for_previous` until the predecessor has finished and its writes
-are visible.
+as every program of its predecessor has released it (or exited); it then runs its prologue and
+blocks in `wait_for_previous` until the predecessor has finished and its writes are visible.
 
 The rule every kernel here follows, so that no ordering is ever lost:
 - before `wait_for_previous` it writes nothing and reads only weights (written once at load):
   any other buffer may be what the launch before it writes, whoever the caller is;
-- it calls `release_next` right after `wait_for_previous`, so at most one launch runs ahead,
-  and that one's predecessor (this kernel) has already passed its own wait: everything before
-  the predecessor has finished.
+- `wait_for_previous` releases the next launch right after the wait, so at most one launch runs
+  ahead, and that one's predecessor (this kernel) has already passed its own wait: everything
+  before the predecessor has finished.
 Kernels launched without PDL (cuBLAS, torch) wait for everything before them as usual, and the
 wait instruction is a no-op in a kernel launched without the attribute.
 
