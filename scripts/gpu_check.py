@@ -107,10 +107,13 @@ def section_kbench(args) -> None:
         _run_script("kbench", [str(script)], script.name)
 
 
+ENGINE_DEFAULTS: dict[str, object] = {}  # GpuEngineConfig fields from --engine, for every engine built here
+
+
 def _engine(weights, **opts):
     from gptoss_cli.runtime.gpu.engine import GpuEngine
 
-    return GpuEngine(weights, **opts)
+    return GpuEngine(weights, **{**ENGINE_DEFAULTS, **opts})
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -447,7 +450,13 @@ def main() -> int:
                         help="engine dtypes e20b checks against the reference (bf16 also against transformers)")
     parser.add_argument("--e20b-readout", default="confident", choices=["confident", "gaussian"],
                         help="lm_head of the random 20b checkpoint (random_checkpoint.py)")
+    parser.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="GpuEngineConfig fields (bool or int) for every engine, e.g. overlap_steps=1")
     args = parser.parse_args()
+    for pair in args.engine:
+        name, _, value = pair.partition("=")
+        low = value.lower()
+        ENGINE_DEFAULTS[name] = low in ("1", "true") if low in ("0", "1", "true", "false") else int(value)
     failed = 0
     for name in args.sections:
         t = time.time()

@@ -20,9 +20,9 @@ from .kv_cache import KvCache, plan_kv_memory
 from .kv_manager import KvManager
 from .model import GpuModel
 from .preflight import check_device, kv_budget_bytes
-from .runner import Runner
+from .runner import DecodeLaunch, Runner
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import PENDING_TOKEN, Sequence, Status
 from .warmup import warm_eager_steps, warm_sampling
 from .weights import prepare_weights
 
@@ -42,6 +42,9 @@ class GpuEngineConfig:
     warm_up: bool | None = None
     # One-token qkv / o projections in kernels.linear.row_linear instead of cuBLAS (batch 1).
     row_linear: bool = True
+    # Steady decode queues the next graph replay before reading this one's tokens, so host work
+    # overlaps the GPU (tokens reach the caller one step later). Off until measured on a GPU.
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -76,6 +79,7 @@ class GpuEngine(Engine):
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes
         self.num_steps = 0
+        self._ahead: tuple[list[Sequence], DecodeLaunch] | None = None  # decode step launched, ids unread
         if opts.warm_up if opts.warm_up is not None else on_cuda:
             warm_eager_steps(self, opts.max_step_tokens,
                              (lambda i, n: progress("compiling prompt kernels", i, n)) if progress else None)
@@ -105,21 +109,86 @@ class GpuEngine(Engine):
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenEvent]:
+        events = []
+        if self._ahead is not None:
+            if self._can_stay_ahead():
+                return self._step_ahead()
+            events = self._drain()
         plan = self.scheduler.schedule()
         if plan is None:
-            return []
+            return events
         self.kv_cache.apply(self.kv.updates)
         seqs = [seq for seq, _ in plan.chunks]
         if plan.decode_only and self.runner.can_replay(len(seqs)):
+            if self.options.overlap_steps:
+                self._launch_ahead(seqs)
+                return events
             tokens = self.runner.run_decode_graph(seqs)
         else:
             tokens = self.runner.run_eager(plan.chunks)
         self.num_steps += 1
         now = time.perf_counter()
-        events = []
         for (seq, n), tok in zip(plan.chunks, tokens):
             self.kv.computed(seq, n)
             if tok is not None:
+                events.append(self._emit(seq, tok, now))
+        return events
+
+    # ---- overlapped decode (overlap_steps) ----------------------------------------------
+    # Between calls a launched step k is "ahead": its KV is recorded (kv.computed: its input
+    # tokens are known), and each of its sequences ends in PENDING_TOKEN, its unread sample. The
+    # next call may queue step k+1 from the device state alone, then read k's ids. A sequence
+    # that k's token finishes (a stop token) got a speculative k+1 row, which is dropped; freeing
+    # its blocks meanwhile is safe, as every later launch that could reuse them queues behind.
+    def _launch_ahead(self, seqs: list[Sequence]) -> None:
+        launch = self.runner.launch_decode_graph(seqs)
+        self.num_steps += 1
+        for seq in seqs:
+            self.kv.computed(seq, 1)
+            seq.tokens.append(PENDING_TOKEN)
+        self._ahead = (seqs, launch)
+
+    def _can_stay_ahead(self) -> bool:
+        """The next step is the same decode batch, planned without admission or preemption, and
+        no sequence can end by length at the step ahead (so only a stop token wastes a row)."""
+        seqs, _ = self._ahead
+        sched = self.scheduler
+        if sched.waiting or sched.running != seqs or not self.runner.holds(seqs):
+            return False
+        if any(s.num_generated + 2 > s.max_new for s in seqs):
+            return False
+        costs = [self.kv.step_cost(s, 1) for s in seqs]
+        return self.kv.can_run((sum(c[0] for c in costs), sum(c[1] for c in costs)))
+
+    def _step_ahead(self) -> list[TokenEvent]:
+        seqs, previous = self._ahead
+        plan = self.scheduler.schedule()
+        if plan is None or not plan.decode_only or [s for s, _ in plan.chunks] != seqs:
+            raise RuntimeError("overlapped decode: the scheduler did not plan the same decode batch")
+        self.kv_cache.apply(self.kv.updates)
+        launch = self.runner.launch_decode_graph(seqs)
+        self.num_steps += 1
+        events = self._emit_ahead(seqs, self.runner.collect(previous))
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.kv.computed(seq, 1)  # its input token is known now
+                seq.tokens.append(PENDING_TOKEN)
+        # The whole batch: the launch's ids are in its order (finished rows are skipped when read).
+        self._ahead = (seqs, launch)
+        return events
+
+    def _drain(self) -> list[TokenEvent]:
+        seqs, launch = self._ahead
+        self._ahead = None
+        return self._emit_ahead(seqs, self.runner.collect(launch))
+
+    def _emit_ahead(self, seqs: list[Sequence], ids: list[int]) -> list[TokenEvent]:
+        """Emit a launched step's ids for the sequences still running (not aborted or finished)."""
+        now = time.perf_counter()
+        events = []
+        for seq, tok in zip(seqs, ids):
+            if seq.status is Status.RUNNING and seq.tokens and seq.tokens[-1] == PENDING_TOKEN:
+                seq.tokens.pop()
                 events.append(self._emit(seq, tok, now))
         return events
 

@@ -5,12 +5,14 @@ copied once. Graph: steps where every sequence has one pending token replay a de
 captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
 (block 0) and produce nothing. Inside the graph the sampled tokens become the next step's
 inputs and positions advance, so a steady decode step only copies changed block-table entries
-in and the sampled ids out (the one host sync per step).
+in and the sampled ids out (the one host sync per step). `launch_decode_graph` / `collect` split
+that step so the engine can queue the next replay before reading the ids (overlap_steps).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,6 +30,14 @@ def _sampling_host(seqs: list[Sequence]) -> list[np.ndarray]:
     return [np.array([x.temperature for x in p], np.float32), np.array([x.top_k for x in p], np.int32),
             np.array([x.top_p for x in p], np.float32), np.array([x.min_p for x in p], np.float32),
             np.array([s.seed for s in seqs], np.int64), np.array([s.num_generated for s in seqs], np.int64)]
+
+
+@dataclass
+class DecodeLaunch:
+    """A replayed decode step whose sampled ids are on their way to the host."""
+
+    ids: torch.Tensor  # [n] int64 host (pinned) buffer, valid once `done` has completed
+    done: torch.cuda.Event | None  # None on the CPU: the copy was synchronous
 
 
 class Runner:
@@ -106,12 +116,33 @@ class Runner:
 
     def run_decode_graph(self, seqs: list[Sequence]) -> list[int]:
         """One decode step for sequences that each have exactly one pending token."""
-        if self._graph_seqs != seqs:
+        return self.collect(self.launch_decode_graph(seqs))
+
+    def holds(self, seqs: list[Sequence]) -> bool:
+        """Whether the static buffers describe exactly this batch: its next step can be replayed
+        from the device state alone (the sampled ids and positions the last replay left there)."""
+        return self._graph_seqs == seqs
+
+    def launch_decode_graph(self, seqs: list[Sequence]) -> DecodeLaunch:
+        """Replay without waiting: the ids land in a pinned host buffer behind an event, so the
+        next replay may be queued before they are read (`collect`)."""
+        if not self.holds(seqs):
             self._load_static(seqs)
         bucket = next(b for b in self.buckets if b >= len(seqs))
         self._graphs[bucket].replay()
-        ids = self._s_out[: len(seqs)].tolist()  # the step's one host sync
-        return ids
+        self._out_slot ^= 1  # two host buffers: the previous launch's ids may still be unread
+        host, done = self._host_out[self._out_slot][: len(seqs)], self._out_done[self._out_slot]
+        host.copy_(self._s_out[: len(seqs)], non_blocking=True)
+        if done is not None:
+            done.record()
+        return DecodeLaunch(host, done)
+
+    @staticmethod
+    def collect(launch: DecodeLaunch) -> list[int]:
+        """The sampled ids of a launch (the step's one host sync)."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        return launch.ids.tolist()
 
     def _alloc_static(self) -> None:
         m, dev = self.max_batch, self.device
@@ -124,6 +155,10 @@ class Runner:
             torch.ones(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.float32, device=dev),
             torch.zeros(m, dtype=torch.int64, device=dev), torch.zeros(m, dtype=torch.int64, device=dev))
         self._s_out = torch.zeros(m, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self._host_out = [torch.zeros(m, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._out_done = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._out_slot = 0
 
     def _load_static(self, seqs: list[Sequence]) -> None:
         n, m = len(seqs), self.max_batch

@@ -46,10 +46,12 @@ class Scheduler:
             if seq.request_id == request_id:
                 self.running.remove(seq)
                 self._drop(seq)
+                seq.status = Status.FINISHED
                 return seq
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                seq.status = Status.FINISHED
                 return seq
         return None
 

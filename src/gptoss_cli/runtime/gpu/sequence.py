@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 from ..api import RequestOutput, SamplingParams
 
+# The last token of a sequence whose decode step is launched but not read yet (overlap_steps).
+PENDING_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
