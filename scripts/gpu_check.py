@@ -453,10 +453,9 @@ def main() -> int:
     parser.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="GpuEngineConfig fields (bool or int) for every engine, e.g. overlap_steps=1")
     args = parser.parse_args()
-    for pair in args.engine:
-        name, _, value = pair.partition("=")
-        low = value.lower()
-        ENGINE_DEFAULTS[name] = low in ("1", "true") if low in ("0", "1", "true", "false") else int(value)
+    from profile_decode import engine_options  # same directory: on sys.path when run as a script
+
+    ENGINE_DEFAULTS.update(engine_options(args.engine))
     failed = 0
     for name in args.sections:
         t = time.time()

@@ -99,6 +99,16 @@ def profile(eng, batch: int, steps: int) -> None:
         print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")
 
 
+def engine_options(pairs: list[str]) -> dict[str, bool | int]:
+    """GpuEngineConfig fields from FIELD=VALUE pairs (0/1/true/false: bool, otherwise int)."""
+    options = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        low = value.lower()
+        options[name] = low in ("1", "true") if low in ("0", "1", "true", "false") else int(value)
+    return options
+
+
 def override_moe(pairs: list[str]) -> None:
     """Patch kernels.moe.pick_config so steps of <= 64 tokens use the given MoeConfig fields."""
     import dataclasses
@@ -139,10 +149,7 @@ def main() -> int:
     from gptoss_cli.runtime.gpu.engine import GpuEngine
     from gptoss_cli.runtime.random_checkpoint import random_weights
 
-    options = {}
-    for pair in args.engine:
-        name, _, value = pair.partition("=")
-        options[name] = value.lower() in ("1", "true") if value.lower() in ("0", "1", "true", "false") else int(value)
+    options = engine_options(args.engine)
     eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=max(args.batch), **options)
     print(f"engine options: {eng.options}")
     for b in args.batch:

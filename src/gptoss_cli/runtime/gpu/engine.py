@@ -143,9 +143,16 @@ class GpuEngine(Engine):
     def _launch_ahead(self, seqs: list[Sequence]) -> None:
         launch = self.runner.launch_decode_graph(seqs)
         self.num_steps += 1
+        self._record_launched(seqs, launch)
+
+    def _record_launched(self, seqs: list[Sequence], launch: DecodeLaunch) -> None:
+        """The launched step's KV is recorded (its input tokens are known by now) and its samples
+        are pending. The whole batch is kept: the launch's ids are in its order, and rows that
+        finished meanwhile are skipped when read."""
         for seq in seqs:
-            self.kv.computed(seq, 1)
-            seq.tokens.append(PENDING_TOKEN)
+            if seq.status is Status.RUNNING:
+                self.kv.computed(seq, 1)
+                seq.tokens.append(PENDING_TOKEN)
         self._ahead = (seqs, launch)
 
     def _can_stay_ahead(self) -> bool:
@@ -169,12 +176,7 @@ class GpuEngine(Engine):
         launch = self.runner.launch_decode_graph(seqs)
         self.num_steps += 1
         events = self._emit_ahead(seqs, self.runner.collect(previous))
-        for seq in seqs:
-            if seq.status is Status.RUNNING:
-                self.kv.computed(seq, 1)  # its input token is known now
-                seq.tokens.append(PENDING_TOKEN)
-        # The whole batch: the launch's ids are in its order (finished rows are skipped when read).
-        self._ahead = (seqs, launch)
+        self._record_launched(seqs, launch)
         return events
 
     def _drain(self) -> list[TokenEvent]:
