@@ -43,8 +43,9 @@ class GpuEngineConfig:
     # One-token qkv / o projections in kernels.linear.row_linear instead of cuBLAS (batch 1).
     row_linear: bool = True
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
-    # overlaps the GPU (tokens reach the caller one step later). Off until measured on a GPU.
-    overlap_steps: bool = False
+    # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
+    # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
