@@ -130,9 +130,16 @@ def _setup(case: Case, device: str) -> _Setup:
 
 GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
-    "default": {},  # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: fp32 dequant
+    # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: the
+    # same asm with the weights as wgmma's register operand (swap_ab)
+    "default": {},
     "fp32deq": {"use_dot_scaled": False, "asm_dequant": False},
-    "dot_scaled": {"use_dot_scaled": True},
+    "dot_scaled": {"use_dot_scaled": True, "swap_ab": False},
+    "unswapped": {"swap_ab": False, "asm_dequant": False},  # prefill until session 7: fp32 dequant, shared-memory B
+    "swap-s1": {"num_stages": 1},  # no load pipelining, but ptxas does not serialise the wgmmas
+    "swap-s2": {"num_stages": 2},
+    "swap-m256": {"block_m": 256},  # 256 tokens per tile: half the dequantisation per FLOP
+    "swap-m64": {"block_m": 64},
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
@@ -147,7 +154,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
     64: ["default", "fused-router", "fp32deq", "dot_scaled", "gemv"],
-    4096: ["default", "dot_scaled"],
+    4096: ["default", "unswapped", "fp32deq", "swap-s1", "swap-s2", "swap-m256", "swap-m64"],
 }
 
 
@@ -165,6 +172,11 @@ def _kernels(st: _Setup, variant):
     case, r, ws = st.case, st.routing, st.weights
     base = pick_config(case.tokens, case.experts, case.top_k)
     cfg = _variant_config(base, variant)
+    same_tiles = cfg.block_m == base.block_m
+    if not same_tiles:  # a variant with other tile heights needs its own tile table
+        from gptoss_cli.kernels.moe_routing import route
+
+        r = route(st.logits, case.top_k, cfg.block_m)
     slots, c, i, layers = case.tokens * case.top_k, case.hidden, case.inter, len(ws)
     w1_bytes, w2_bytes = (st.touched * b for b in _expert_bytes(case))
     x_bytes, act_bytes = case.tokens * c * 2, slots * i * 2
@@ -182,7 +194,8 @@ def _kernels(st: _Setup, variant):
         return [g2(st.act, r, w, cfg, out=y_out) for w in ws]
 
     def forward():
-        return [moe_forward(st.x, st.router_weight, st.router_bias, w, case.top_k, workspace=st.workspace, config=cfg)
+        workspace = st.workspace if same_tiles else None
+        return [moe_forward(st.x, st.router_weight, st.router_bias, w, case.top_k, workspace=workspace, config=cfg)
                 for w in ws]  # fmt: skip
 
     return [

@@ -63,7 +63,23 @@ def _gemm1_asm():
     pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     compile_sm90(mm._gemm1_swiglu_kernel, pointers, {
         "TOP_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False})
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": False})
+
+
+def _prefill(block_m: int, num_stages: int = 3):
+    """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height."""
+    import triton.language as tl
+
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
+    ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
+    common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
+              "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": True}
+    compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
+                 common | {"TOP_K": 4, "BLOCK_N": 64}, num_warps=8, num_stages=num_stages)
+    compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
+                 common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
 
 
 def _gemm2_split():
@@ -76,7 +92,7 @@ def _gemm2_split():
     pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     compile_sm90(mm._gemm2_kernel, pointers, {
         "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2})
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2, "SWAP": False})
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
@@ -154,6 +170,11 @@ CASES = {
     "combine-1-token-2-splits": lambda: _combine(2),
     "gemm1-asm": _gemm1_asm,
     "gemm2-split2-asm": _gemm2_split,
+    "prefill-swapped-32": lambda: _prefill(32),
+    "prefill-swapped-64": lambda: _prefill(64),
+    "prefill-swapped-128": lambda: _prefill(128),
+    "prefill-swapped-256": lambda: _prefill(256),
+    "prefill-swapped-128-1-stage": lambda: _prefill(128, num_stages=1),
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),

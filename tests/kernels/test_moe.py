@@ -43,6 +43,7 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 DECODE = MoeConfig("decode", block_m=16, block_n1=32, block_n2=64, block_k=64)
 GEMV = MoeConfig("decode", block_m=16, block_n1=16, block_n2=32, block_k=64, gemv=True)
 PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32, num_warps=4)
+PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
 
@@ -187,7 +188,7 @@ def test_prepare_rejects_bad_weights():
         prepare_moe_weights(b1, s1, c1[:, :3], b2, s2, c2)
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED], ids=["decode", "prefill", "prefill-swapped"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -337,7 +338,8 @@ def test_dequantisation_is_exact_over_the_scale_range(device):
 # --- the whole forward pass ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL, GEMV], ids=["decode", "prefill", "gemv"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED, GEMV],
+                         ids=["decode", "prefill", "prefill-swapped", "gemv"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [
@@ -397,7 +399,12 @@ def test_forward_with_no_tokens(device):
 def test_pick_config_regimes():
     assert pick_config(1, 32, 4).regime == "decode" and pick_config(1, 32, 4).asm_dequant
     assert pick_config(1, 32, 4).gemv and not pick_config(2, 32, 4).gemv
-    assert not pick_config(4096, 32, 4).asm_dequant  # Triton's wgmma path rejects the asm operand
+    # Prefill: the asm dequantisation, with the weights as wgmma's register operand (Triton rejects
+    # the asm tile as the shared-memory one).
+    assert pick_config(4096, 32, 4).asm_dequant and pick_config(4096, 32, 4).swap_ab
+    assert not pick_config(64, 32, 4).swap_ab
+    with pytest.raises(ValueError, match="swap_ab"):
+        MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, swap_ab=True, use_dot_scaled=True)
     assert pick_config(64, 128, 4).regime == "decode"
     small, large = pick_config(512, 32, 4), pick_config(4096, 32, 4)
     assert small.regime == large.regime == "prefill"
@@ -434,8 +441,9 @@ def test_benchmark_smoke(monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True}, {"gemv_f16": False}],
-                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32"])
+@pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True, "swap_ab": False},
+                                     {"gemv_f16": False}, {"swap_ab": False, "asm_dequant": False}],
+                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
@@ -452,8 +460,9 @@ def test_real_shapes_bf16(tokens, variant):
 @requires_gpu
 @pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE,
                                     dataclasses.replace(GEMV, asm_dequant=True), GEMV,
-                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
-                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq", "gemv-f16"])
+                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
+                                    pick_config(4096, 32, 4)],
+                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq", "gemv-f16", "prefill-swapped-asm"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
     inter, hidden = 128, 192

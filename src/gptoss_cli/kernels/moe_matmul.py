@@ -76,6 +76,10 @@ class MoeConfig:
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
+    # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
+    # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
+    # For prefill tiles; not with use_dot_scaled.
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -86,6 +90,8 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
+        if self.swap_ab and self.use_dot_scaled:
+            raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
@@ -107,11 +113,13 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
                              split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS)
         return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True)
     block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
-    # No asm_dequant: Triton 3.6 rejects the inline-asm operand in its wgmma (M >= 64) pipeline
-    # ("Illegal shared layout", H200, 2026-11-30).
+    # Weights as wgmma's register operand (swap_ab), dequantised by the asm: Triton 3.6 rejects the
+    # asm tile as the shared-memory operand ("Illegal shared layout"), and the swapped K loop is
+    # ~28 % shorter in SASS (docs/optimizations.md, session 7). 128 weight rows per tile, so each
+    # of the two warpgroups dequantises its own 64.
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
-        num_warps=8 if block_m >= 64 else 4, num_stages=3,
+        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True,
     )  # fmt: skip
 
 
@@ -313,16 +321,23 @@ def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _mx_dot(
     acc, a, blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T; A_FORMAT "" = dequantise by hand in
-    fp32, "asm" = by hand in packed bf16, otherwise tl.dot_scaled's name for the activation type."""
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T, or with SWAP acc [BLOCK_N, BLOCK_M]
+    += W_tile @ a^T; A_FORMAT "" = dequantise by hand in fp32, "asm" = by hand in packed bf16,
+    otherwise tl.dot_scaled's name for the activation type (not with SWAP)."""
     if A_FORMAT == "asm":
         w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K)
-        acc = tl.dot(a.to(tl.bfloat16), tl.trans(w), acc)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w), acc)
     elif A_FORMAT == "":
         w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
-        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         packed = tl.reshape(blk, (BLOCK_N, BLOCK_K // 2))  # packed along K, low nibble first
         acc = tl.dot_scaled(a, None, A_FORMAT, tl.trans(packed), scl, "e2m1", acc, fast_math=FAST_MATH)
@@ -341,9 +356,10 @@ def _swiglu(gate, up, limit, alpha):
 def _mx_matmul(
     a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
+    SWAP accumulates the transpose (MoeConfig.swap_ab) and transposes it back at the end.
 
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
     32-group granularity are exact. Out-of-range rows and columns read as 0.
@@ -353,17 +369,22 @@ def _mx_matmul(
     # Pointers are built once and advanced: the loop body does no per-element index math.
     blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         left = K - k0
         a = tl.load(a_ptrs, mask=a_row_ok[:, None] & (kk < left)[None, :], other=0.0)
         g_ok = g < left // 32
         blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
         scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-        acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH)
+        acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP)
         a_ptrs += BLOCK_K
         blk_ptrs += BLOCK_K // 2
         scl_ptrs += (BLOCK_K // 32) * stride_sg
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -376,7 +397,7 @@ def _gemm1_swiglu_kernel(
     num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr,
+    FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -390,7 +411,7 @@ def _gemm1_swiglu_kernel(
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
-        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
+        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -409,7 +430,7 @@ def _gemm2_kernel(
     num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -424,7 +445,7 @@ def _gemm2_kernel(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
         s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
         cols, col_ok, k_len, stride_wn, stride_sg,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
@@ -542,7 +563,7 @@ def moe_gemm1_swiglu(
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math,
+        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math, SWAP=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -568,7 +589,7 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SWAP=config.swap_ab, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
