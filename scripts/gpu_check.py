@@ -435,6 +435,7 @@ def section_e120b(args) -> None:
     for b in (1, 64):
         _bench_engine("e120b", eng, b, 128, 256)
     _ttft("e120b", eng, 4096)
+    _bench_engine("e120b", eng, 1, 32768, 128)
 
 
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,

@@ -63,11 +63,12 @@ def _gemm1_asm():
     pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     compile_sm90(mm._gemm1_swiglu_kernel, pointers, {
         "TOP_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": False})
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": False, "SUB_M": 1})
 
 
 def _prefill(block_m: int, num_stages: int = 3):
-    """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height."""
+    """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height;
+    gemm1 takes tiles taller than 128 rows in 128-row slices."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -77,7 +78,8 @@ def _prefill(block_m: int, num_stages: int = 3):
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
               "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": True}
     compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                 common | {"TOP_K": 4, "BLOCK_N": 64}, num_warps=8, num_stages=num_stages)
+                 common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128), "SUB_M": max(1, block_m // 128)},
+                 num_warps=8, num_stages=num_stages)
     compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
                  common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
 

@@ -44,6 +44,7 @@ DECODE = MoeConfig("decode", block_m=16, block_n1=32, block_n2=64, block_k=64)
 GEMV = MoeConfig("decode", block_m=16, block_n1=16, block_n2=32, block_k=64, gemv=True)
 PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32, num_warps=4)
 PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
+PREFILL_SLICED = dataclasses.replace(PREFILL_SWAPPED, block_m1=16)  # gemm1 in two slices per routing tile
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
 
@@ -188,7 +189,8 @@ def test_prepare_rejects_bad_weights():
         prepare_moe_weights(b1, s1, c1[:, :3], b2, s2, c2)
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED], ids=["decode", "prefill", "prefill-swapped"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED],
+                         ids=["decode", "prefill", "prefill-swapped", "prefill-sliced"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -338,8 +340,8 @@ def test_dequantisation_is_exact_over_the_scale_range(device):
 # --- the whole forward pass ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED, GEMV],
-                         ids=["decode", "prefill", "prefill-swapped", "gemv"])
+@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED, GEMV],
+                         ids=["decode", "prefill", "prefill-swapped", "prefill-sliced", "gemv"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [
@@ -403,12 +405,16 @@ def test_pick_config_regimes():
     # the asm tile as the shared-memory one).
     assert pick_config(4096, 32, 4).asm_dequant and pick_config(4096, 32, 4).swap_ab
     assert not pick_config(64, 32, 4).swap_ab
+    # gemm2 in 256-row tiles, gemm1 in 128-row slices of them
+    assert (pick_config(4096, 32, 4).block_m, pick_config(4096, 32, 4).gemm1_rows) == (256, 128)
+    with pytest.raises(ValueError, match="block_m1"):
+        MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, swap_ab=True, use_dot_scaled=True)
     assert pick_config(64, 128, 4).regime == "decode"
     small, large = pick_config(512, 32, 4), pick_config(4096, 32, 4)
     assert small.regime == large.regime == "prefill"
-    assert small.block_m < large.block_m == 128  # tiles grow with rows per expert
+    assert small.block_m < large.block_m == 256  # tiles grow with rows per expert
     with pytest.raises(ValueError):
         MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=16)
 
@@ -446,6 +452,17 @@ def test_benchmark_smoke(monkeypatch):
                          ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
+    _check_real_shapes_bf16(tokens, variant)
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}],
+                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles"])
+def test_real_shapes_bf16_prefill_tiles(variant):
+    _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
+
+
+def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)

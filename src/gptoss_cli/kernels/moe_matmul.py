@@ -80,6 +80,10 @@ class MoeConfig:
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.
     swap_ab: bool = False
+    # gemm1 rows per program when smaller than the routing tile (0 = block_m): each gemm1 program
+    # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
+    # T=4096, swapped tiles: gemm2 1,344 -> 1,045 us at 256 rows, gemm1 1,655 -> 2,087 us.
+    block_m1: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -92,6 +96,13 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
             raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
+        if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
+            raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
+
+    @property
+    def gemm1_rows(self) -> int:
+        """Sorted rows per gemm1 program."""
+        return self.block_m1 or self.block_m
 
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
@@ -112,14 +123,15 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
             return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True,
                              split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS)
         return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True)
-    block_m = min(128, max(32, triton.next_power_of_2(math.ceil(per_expert))))
+    block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     # Weights as wgmma's register operand (swap_ab), dequantised by the asm: Triton 3.6 rejects the
     # asm tile as the shared-memory operand ("Illegal shared layout"), and the swapped K loop is
     # ~28 % shorter in SASS (docs/optimizations.md, session 7). 128 weight rows per tile, so each
-    # of the two warpgroups dequantises its own 64.
+    # of the two warpgroups dequantises its own 64. gemm2 gains from 256-row tiles, gemm1 loses,
+    # so gemm1 takes them in 128-row slices.
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
-        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True,
+        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128),
     )  # fmt: skip
 
 
@@ -240,9 +252,9 @@ def _k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M: tl.constexpr):
-    """Sorted rows of a tile and which of them belong to its expert."""
-    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, first, BLOCK_M: tl.constexpr):
+    """Sorted rows [first, first + BLOCK_M) of a tile and which of them belong to its expert."""
+    rows = tl.load(tile_start_ptr + tile) + first + tl.arange(0, BLOCK_M)
     return rows, rows < tl.load(offsets_ptr + expert + 1)
 
 
@@ -397,13 +409,19 @@ def _gemm1_swiglu_kernel(
     num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
+    FAST_MATH: tl.constexpr, SWAP: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
-    tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
+    slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    tile = slice_id // SUB_M
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
+    first = (slice_id % SUB_M) * BLOCK_M
+    if SUB_M > 1:
+        if tl.load(tile_start_ptr + tile) + first >= tl.load(offsets_ptr + expert + 1):
+            return  # a slice past its expert's last row
+    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, first, BLOCK_M)
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
     a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
@@ -436,7 +454,7 @@ def _gemm2_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, BLOCK_M)
+    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, 0, BLOCK_M)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     k_lo, k_len = _k_range(inter, SPLIT_K, BLOCK_K)
@@ -535,8 +553,8 @@ def _out_buffer(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, like
     return out
 
 
-def _grid(routing: MoeRouting, columns: int, block_n: int) -> tuple[int]:
-    return (routing.max_tiles * triton.cdiv(columns, block_n),)
+def _grid(routing: MoeRouting, columns: int, block_n: int, slices: int = 1) -> tuple[int]:
+    return (routing.max_tiles * slices * triton.cdiv(columns, block_n),)
 
 
 def moe_gemm1_swiglu(
@@ -556,15 +574,16 @@ def moe_gemm1_swiglu(
     act = _out_buffer(out, (slots, w.intermediate), x.dtype, x)
     if routing.max_tiles == 0:
         return act
-    _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1)](
+    slices = config.block_m // config.gemm1_rows
+    _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1, slices)](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
-        TOP_K=routing.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
+        TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math, SWAP=config.swap_ab,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
