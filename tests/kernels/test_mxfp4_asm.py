@@ -106,6 +106,8 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = (_f16_bits(_f32(v[0])) << 16) | _f16_bits(_f32(v[1]))
         elif op == "and.b32":
             regs[dst] = v[0] & v[1]
+        elif op == "mul.lo.u32":
+            regs[dst] = (v[0] * v[1]) & MASK
         elif op == "or.b32":
             regs[dst] = v[0] | v[1]
         elif op == "fma.rn.bf16x2":

@@ -284,24 +284,26 @@ def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # Four packed bytes (eight FP4 values) per instance, $4; their four bf16 scales in $5, $6 (two per
-# register). Bytes are spread into 16-bit lanes (prmt), each nibble moved to bf16 bits s -> 15,
-# e1 e0 m -> 8..6, which reads as FP4 * 2**-126 (e = 0 lands on bf16 subnormals), then two exact
-# packed multiplies: by 2**126 and by the scale. Out: low nibbles in $0, $1, high nibbles in $2, $3.
+# register). Bytes are spread into 16-bit lanes (prmt); a nibble n in a lane, masked, times
+# 2**6 + 2**12 (or 2**2 + 2**8 for the high nibble, already 4 bits up) lands its e1 e0 m bits on
+# bf16 bits 8..6 and its sign on bit 15 with no overlap, so one and, one multiply and one and give
+# FP4 * 2**-126 in both lanes (e = 0 lands on bf16 subnormals); then two exact packed multiplies:
+# by 2**126 and by the scale. Out: low nibbles in $0, $1, high nibbles in $2, $3.
 _FP4_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 t<2>, x, y, c, z, zero;
+.reg .b32 t<2>, x, c, z, zero;
 mov.b32 c, 0x7E807E80;
 mov.b32 z, 0x80008000;
 mov.b32 zero, 0;
 prmt.b32 t0, $4, zero, 0x4140;
 prmt.b32 t1, $4, zero, 0x4342;
-shl.b32 x, t0, 6;  shl.b32 y, t0, 12; and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+and.b32 x, t0, 0x000F000F; mul.lo.u32 x, x, 0x1040; and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $0, x, $5, z;
-shl.b32 x, t1, 6;  shl.b32 y, t1, 12; and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+and.b32 x, t1, 0x000F000F; mul.lo.u32 x, x, 0x1040; and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $1, x, $6, z;
-shl.b32 x, t0, 2;  shl.b32 y, t0, 8;  and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+and.b32 x, t0, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $2, x, $5, z;
-shl.b32 x, t1, 2;  shl.b32 y, t1, 8;  and.b32 x, x, 0x01C001C0; and.b32 y, y, 0x80008000; or.b32 x, x, y;
+and.b32 x, t1, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $3, x, $6, z;
 }
 """)
