@@ -21,7 +21,8 @@ use scales near 2**-6). On the GPU `use_dot_scaled` hands the bytes to tl.dot_sc
 Regimes (pick_config, chosen on the host from T, which is static inside a CUDA graph):
   decode:  few rows per expert, bandwidth-bound: BLOCK_M 16 (tl.dot's minimum), narrow column
            blocks so the ~53 MB of a token's 4 experts (real shapes) spread over hundreds of programs;
-  prefill: many rows per expert, tensor-core bound: BLOCK_M grows with rows per expert to 128.
+  prefill: many rows per expert, tensor-core bound: BLOCK_M grows with rows per expert to 256
+           (gemm1 in slices of at most 128), the weight tile as wgmma's register operand.
 Dimension legend: T tokens, C hidden, I intermediate, E experts, K experts per token, S = T*K.
 """
 
@@ -49,8 +50,8 @@ COMBINE_TOKENS = 16  # tokens per combine program
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Launch parameters of the grouped matmuls. The defaults of pick_config are first guesses
-    (not yet tuned on the H200); tests force either regime with small blocks."""
+    """Launch parameters of the grouped matmuls. pick_config's choices come from H200 sweeps
+    (docs/optimizations.md); tests force either regime with small blocks."""
 
     regime: str  # "decode" or "prefill" (reporting only; the numbers below decide)
     block_m: int  # sorted rows per tile; also the routing tile size
