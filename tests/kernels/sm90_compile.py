@@ -63,7 +63,7 @@ def _gemm1_asm():
     pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     compile_sm90(mm._gemm1_swiglu_kernel, pointers, {
         "TOP_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": False, "SUB_M": 1})
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "even_odd", "SUB_M": 1})
 
 
 def _prefill(block_m: int, num_stages: int = 3):
@@ -76,7 +76,7 @@ def _prefill(block_m: int, num_stages: int = 3):
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": "asm", "FAST_MATH": False, "SWAP": True}
+              "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "swapped"}
     compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                  common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128), "SUB_M": max(1, block_m // 128)},
                  num_warps=8, num_stages=num_stages)
@@ -94,7 +94,7 @@ def _gemm2_split():
     pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     compile_sm90(mm._gemm2_kernel, pointers, {
         "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2, "SWAP": False})
+        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2, "OPERANDS": "even_odd"})
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):

@@ -45,6 +45,7 @@ GEMV = MoeConfig("decode", block_m=16, block_n1=16, block_n2=32, block_k=64, gem
 PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32, num_warps=4)
 PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
 PREFILL_SLICED = dataclasses.replace(PREFILL_SWAPPED, block_m1=16)  # gemm1 in two slices per routing tile
+DECODE_INTERLEAVED = dataclasses.replace(DECODE, even_odd=False)  # one dot over interleaved K (before session 7)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
 
@@ -189,8 +190,8 @@ def test_prepare_rejects_bad_weights():
         prepare_moe_weights(b1, s1, c1[:, :3], b2, s2, c2)
 
 
-@pytest.mark.parametrize("config", [DECODE, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED],
-                         ids=["decode", "prefill", "prefill-swapped", "prefill-sliced"])
+@pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED],
+                         ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -448,8 +449,9 @@ def test_benchmark_smoke(monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True, "swap_ab": False},
-                                     {"gemv_f16": False}, {"swap_ab": False, "asm_dequant": False}],
-                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped"])
+                                     {"gemv_f16": False}, {"swap_ab": False, "asm_dequant": False},
+                                     {"even_odd": False}],
+                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped", "interleaved"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
     _check_real_shapes_bf16(tokens, variant)
@@ -476,10 +478,12 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
 
 @requires_gpu
 @pytest.mark.parametrize("config", [dataclasses.replace(DECODE, asm_dequant=True), DECODE,
+                                    dataclasses.replace(DECODE_INTERLEAVED, asm_dequant=True),
                                     dataclasses.replace(GEMV, asm_dequant=True), GEMV,
                                     dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
                                     pick_config(4096, 32, 4)],
-                         ids=["asm", "fp32deq", "gemv-asm", "gemv-fp32deq", "gemv-f16", "prefill-swapped-asm"])
+                         ids=["asm", "fp32deq", "asm-interleaved", "gemv-asm", "gemv-fp32deq", "gemv-f16",
+                              "prefill-swapped-asm"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
     inter, hidden = 128, 192

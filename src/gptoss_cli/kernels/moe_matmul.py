@@ -81,6 +81,10 @@ class MoeConfig:
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.
     swap_ab: bool = False
+    # Unswapped tiles: the even and the odd K positions as two dots, so each dequantised register
+    # already holds two K-consecutive values of one dot operand (the interleave of low and high
+    # nibbles cost Triton ~1 PRMT per register). Offline SASS, batch-64 gemm1 K loop: 355 -> 302.
+    even_odd: bool = True
     # gemm1 rows per program when smaller than the routing tile (0 = block_m): each gemm1 program
     # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
     # T=4096, swapped tiles: gemm2 1,344 -> 1,045 us at 256 rows, gemm1 1,655 -> 2,087 us.
@@ -99,6 +103,11 @@ class MoeConfig:
             raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
+
+    @property
+    def operands(self) -> str:
+        """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved"."""
+        return "swapped" if self.swap_ab else "even_odd" if self.even_odd else "interleaved"
 
     @property
     def gemm1_rows(self) -> int:
@@ -221,6 +230,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
 
 
+def _operands(config: MoeConfig) -> str:
+    """tl.dot_scaled takes the packed bytes as they are: its tiles keep the interleaved form."""
+    return "interleaved" if config.use_dot_scaled else config.operands
+
+
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype) -> str:
     """The A_FORMAT of _mx_dot: tl.dot_scaled's name for the activation type, "asm" for the packed
     bf16 dequantisation, or "" where the portable path must run (interpreter, fp32, fp16)."""
@@ -278,10 +292,17 @@ def _scale_fp32(scl):
 @triton.jit
 def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N, G, 16] u8 + [BLOCK_N, G] u8 -> [BLOCK_N, BLOCK_K] fp32, exact (module docstring)."""
+    lo, hi = _dequant_mxfp4_halves(blk, scl)
+    return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K))  # element 2i from the low nibble of byte i
+
+
+@triton.jit
+def _dequant_mxfp4_halves(blk, scl):
+    """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values [R, G, 16] fp32, exact."""
     lo, hi = _fp4_bits(blk)
-    bits = tl.interleave(lo, hi)  # [BLOCK_N, G, 32], element 2i from the low nibble of byte i
-    mag = bits.to(tl.float16, bitcast=True).to(tl.float32)  # FP4_VALUES[nibble] * 2**-14
-    return tl.reshape(mag * _scale_fp32(scl)[:, :, None], (BLOCK_N, BLOCK_K))
+    scale = _scale_fp32(scl)[:, :, None]
+    # FP4_VALUES[nibble] * 2**-14, times the scale (which undoes the 2**-14)
+    return lo.to(tl.float16, bitcast=True).to(tl.float32) * scale, hi.to(tl.float16, bitcast=True).to(tl.float32) * scale
 
 
 # Four packed bytes (eight FP4 values) per instance, $4; their four bf16 scales in $5, $6 (two per
@@ -336,23 +357,33 @@ def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _mx_dot(
     acc, a, blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
 ):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T, or with SWAP acc [BLOCK_N, BLOCK_M]
-    += W_tile @ a^T; A_FORMAT "" = dequantise by hand in fp32, "asm" = by hand in packed bf16,
-    otherwise tl.dot_scaled's name for the activation type (not with SWAP)."""
-    if A_FORMAT == "asm":
-        w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a.to(tl.bfloat16)), acc)
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T, or with OPERANDS "swapped" acc
+    [BLOCK_N, BLOCK_M] += W_tile @ a^T (MoeConfig.operands); A_FORMAT "" = dequantise by hand in
+    fp32, "asm" = by hand in packed bf16, otherwise tl.dot_scaled's name for the activation type
+    (only "interleaved")."""
+    if A_FORMAT == "asm" or A_FORMAT == "":
+        dt = tl.bfloat16 if A_FORMAT == "asm" else DOT_DTYPE
+        if OPERANDS == "even_odd":
+            if A_FORMAT == "asm":
+                lo, hi = _fp4_pairs_bf16(blk, scl)
+            else:
+                lo, hi = _dequant_mxfp4_halves(blk, scl)
+            lo = tl.reshape(lo.to(dt), (BLOCK_N, BLOCK_K // 2))  # W[:, 0::2]
+            hi = tl.reshape(hi.to(dt), (BLOCK_N, BLOCK_K // 2))  # W[:, 1::2]
+            a_even, a_odd = tl.split(tl.reshape(a.to(dt), (a.shape[0], BLOCK_K // 2, 2)))
+            acc = tl.dot(a_even, tl.trans(lo), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, tl.trans(hi), acc, input_precision=DOT_PRECISION)
         else:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w), acc)
-    elif A_FORMAT == "":
-        w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if A_FORMAT == "asm":
+                w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K)
+            else:
+                w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(dt)
+            if OPERANDS == "swapped":
+                acc = tl.dot(w, tl.trans(a.to(dt)), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(a.to(dt), tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         packed = tl.reshape(blk, (BLOCK_N, BLOCK_K // 2))  # packed along K, low nibble first
         acc = tl.dot_scaled(a, None, A_FORMAT, tl.trans(packed), scl, "e2m1", acc, fast_math=FAST_MATH)
@@ -371,10 +402,10 @@ def _swiglu(gate, up, limit, alpha):
 def _mx_matmul(
     a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, SWAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
-    SWAP accumulates the transpose (MoeConfig.swap_ab) and transposes it back at the end.
+    "swapped" OPERANDS accumulate the transpose (MoeConfig.swap_ab), transposed back at the end.
 
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
     32-group granularity are exact. Out-of-range rows and columns read as 0.
@@ -384,7 +415,7 @@ def _mx_matmul(
     # Pointers are built once and advanced: the loop body does no per-element index math.
     blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
-    if SWAP:
+    if OPERANDS == "swapped":
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -394,11 +425,11 @@ def _mx_matmul(
         g_ok = g < left // 32
         blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
         scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-        acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP)
+        acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS)
         a_ptrs += BLOCK_K
         blk_ptrs += BLOCK_K // 2
         scl_ptrs += (BLOCK_K // 32) * stride_sg
-    if SWAP:
+    if OPERANDS == "swapped":
         acc = tl.trans(acc)
     return acc
 
@@ -412,7 +443,7 @@ def _gemm1_swiglu_kernel(
     num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr, SWAP: tl.constexpr, SUB_M: tl.constexpr,
+    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
     # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
     slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -432,7 +463,7 @@ def _gemm1_swiglu_kernel(
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
-        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP,
+        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -451,7 +482,7 @@ def _gemm2_kernel(
     num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -466,7 +497,7 @@ def _gemm2_kernel(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
         s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
         cols, col_ok, k_len, stride_wn, stride_sg,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, SWAP,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
@@ -585,7 +616,8 @@ def moe_gemm1_swiglu(
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math, SWAP=config.swap_ab,
+        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math,
+        OPERANDS=_operands(config),
         SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -611,7 +643,7 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k,
-        SWAP=config.swap_ab, num_warps=config.num_warps, num_stages=config.num_stages,
+        OPERANDS=_operands(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
