@@ -54,16 +54,20 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
-def _gemm1_asm():
+def _decode_tiles(block_n: int, block_k: int, split_k: int = 1):
+    """pick_config's decode tiles (16 rows, asm dequantisation, even/odd K): gemm1 and gemm2."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
 
-    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "x_ptr": "*bf16", "bias_ptr": "*fp32", "act_ptr": "*bf16"}
-    pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
-    compile_sm90(mm._gemm1_swiglu_kernel, pointers, {
-        "TOP_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "even_odd", "SUB_M": 1})
+    ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
+    ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
+    common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
+              "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "even_odd"}
+    compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
+                 common | {"TOP_K": 4, "SUB_M": 1})
+    compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
+                 common | {"SPLIT_K": split_k})
 
 
 def _prefill(block_m: int, num_stages: int = 3):
@@ -82,19 +86,6 @@ def _prefill(block_m: int, num_stages: int = 3):
                  num_warps=8, num_stages=num_stages)
     compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
                  common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
-
-
-def _gemm2_split():
-    import triton.language as tl
-
-    from gptoss_cli.kernels import moe_matmul as mm
-
-    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "act_ptr": "*bf16", "bias_ptr": "*fp32", "y_ptr": "*fp32",
-                "gamma_ptr": "*fp32"}
-    pointers |= {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
-    compile_sm90(mm._gemm2_kernel, pointers, {
-        "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-        "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "SPLIT_K": 2, "OPERANDS": "even_odd"})
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
@@ -170,8 +161,8 @@ def _router_topk(tokens: int, experts: int, norm: bool = False):
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
-    "gemm1-asm": _gemm1_asm,
-    "gemm2-split2-asm": _gemm2_split,
+    "decode-tiles-32x128-split2": lambda: _decode_tiles(32, 128, split_k=2),
+    "decode-tiles-64x64": lambda: _decode_tiles(64, 64),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),
     "prefill-swapped-128": lambda: _prefill(128),
