@@ -54,7 +54,7 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
-def _decode_tiles(block_n: int, block_k: int, split_k: int = 1):
+def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-folded"):
     """pick_config's decode tiles (16 rows, asm dequantisation, even/odd K): gemm1 and gemm2."""
     import triton.language as tl
 
@@ -63,14 +63,14 @@ def _decode_tiles(block_n: int, block_k: int, split_k: int = 1):
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-              "DOT_PRECISION": "tf32", "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "even_odd"}
+              "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd"}
     compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                  common | {"TOP_K": 4, "SUB_M": 1})
     compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
                  common | {"SPLIT_K": split_k})
 
 
-def _prefill(block_m: int, num_stages: int = 3):
+def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded"):
     """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height;
     gemm1 takes tiles taller than 128 rows in 128-row slices."""
     import triton.language as tl
@@ -80,7 +80,7 @@ def _prefill(block_m: int, num_stages: int = 3):
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": "asm", "FAST_MATH": False, "OPERANDS": "swapped"}
+              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped"}
     compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                  common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128), "SUB_M": max(1, block_m // 128)},
                  num_warps=8, num_stages=num_stages)
@@ -163,6 +163,8 @@ CASES = {
     "combine-1-token-2-splits": lambda: _combine(2),
     "decode-tiles-32x128-split2": lambda: _decode_tiles(32, 128, split_k=2),
     "decode-tiles-64x64": lambda: _decode_tiles(64, 64),
+    "decode-tiles-64x64-unfolded": lambda: _decode_tiles(64, 64, fmt="asm"),
+    "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),
     "prefill-swapped-128": lambda: _prefill(128),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_close, rel_err
 
-from gptoss_cli.kernels import moe_router, moe_routing
+from gptoss_cli.kernels import moe_matmul, moe_router, moe_routing
 from gptoss_cli.kernels.moe import (
     MoeConfig,
     MoeWorkspace,
@@ -24,6 +24,7 @@ from gptoss_cli.kernels.moe import (
 )
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
+    FOLD_MAX_SCALE,
     expert_weight,
     moe_combine,
     moe_combine_norm,
@@ -178,6 +179,22 @@ def test_prepare_keeps_the_packed_bytes(device):
     for e in range(3):
         assert torch.equal(expert_weight(w.w1_blocks, w.w1_scales, e), dequantize_mxfp4(raw[0][e], raw[1][e]))
         assert torch.equal(expert_weight(w.w2_blocks, w.w2_scales, e), dequantize_mxfp4(raw[3][e], raw[4][e]))
+
+
+@pytest.mark.parametrize("high,fold", [(FOLD_MAX_SCALE, True), (FOLD_MAX_SCALE + 1, False)])
+def test_prepare_marks_foldable_scales(device, high, fold):
+    raw = list(_raw_weights(2, 64, 64, device, scale_lo=1, scale_hi=100))
+    raw[4][1, 3, 0] = high  # one down-projection scale decides
+    assert prepare_moe_weights(*raw).fold_scales is fold
+
+
+def test_asm_format_follows_config_and_weights(monkeypatch):
+    monkeypatch.setattr(moe_matmul, "_interpreting", lambda: False)  # the GPU's choice, on any machine
+    asm = dataclasses.replace(DECODE, asm_dequant=True)
+    assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, True) == "asm-folded"
+    assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, False) == "asm"
+    assert moe_matmul._dot_scaled_format(dataclasses.replace(asm, fold_scales=False), torch.bfloat16, True) == "asm"
+    assert moe_matmul._dot_scaled_format(asm, torch.float32, True) == ""
 
 
 def test_prepare_rejects_bad_weights():
@@ -484,12 +501,15 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
                                     pick_config(4096, 32, 4)],
                          ids=["asm", "fp32deq", "asm-interleaved", "gemv-asm", "gemv-fp32deq", "gemv-f16",
                               "prefill-swapped-asm"])
-def test_bf16_dequantisation_is_exact_over_the_scale_range(config):
+@pytest.mark.parametrize("max_scale", [240, FOLD_MAX_SCALE], ids=["two-multiplies", "folded"])
+def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.
+    # Scales up to FOLD_MAX_SCALE take the asm with 2**126 folded into the scale.
     inter, hidden = 128, 192
-    b1, s1, c1, b2, s2, c2 = _raw_weights(1, hidden, inter, "cuda")
-    s2 = torch.randint(1, 241, s2.shape, dtype=torch.uint8, device="cuda")
+    b1, s1, c1, b2, s2, c2 = _raw_weights(1, hidden, inter, "cuda", scale_lo=1, scale_hi=min(max_scale, 129))
+    s2 = torch.randint(1, max_scale + 1, s2.shape, dtype=torch.uint8, device="cuda")
     w = prepare_moe_weights(b1, s1, c1, b2, s2, torch.zeros_like(c2))
+    assert w.fold_scales == (max_scale <= FOLD_MAX_SCALE)
     r = route(torch.zeros(inter, 1, device="cuda"), 1, config.block_m)
     act = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
     y = (moe_gemv2 if config.gemv else moe_gemm2)(act, r, w, config)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gptoss_cli.kernels.moe_gemv import _FP4_DOT_F16_ASM, _X_PAIR_F16_ASM
-from gptoss_cli.kernels.moe_matmul import _FP4_TO_BF16_ASM
+from gptoss_cli.kernels.moe_matmul import _FP4_TO_BF16_ASM, _FP4_TO_BF16_FOLDED_ASM, FOLD_MAX_SCALE
 from gptoss_cli.kernels.mxfp4 import FP4_VALUES
 
 MASK = 0xFFFFFFFF
@@ -117,14 +117,17 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
-@pytest.mark.parametrize("scale_byte", [1, 2, 100, 119, 121, 127, 128, 200, 240])
-def test_asm_dequantises_every_byte_exactly(scale_byte):
+@pytest.mark.parametrize("folded,scale_byte", [(False, s) for s in (1, 2, 100, 119, 121, 127, 128, 200, 240)]
+                         + [(True, s) for s in (1, 2, 100, 119, 121, 127, FOLD_MAX_SCALE)])
+def test_asm_dequantises_every_byte_exactly(folded, scale_byte):
     scale = 2.0 ** (scale_byte - 127)
-    scale_bits = scale_byte << 7  # the kernel's bf16 scale: the E8M0 byte in the exponent field
+    # the kernel's bf16 scale: the E8M0 byte in the exponent field (+ 126 when 2**126 is folded in)
+    scale_bits = (scale_byte + 126 if folded else scale_byte) << 7
     pair = scale_bits | (scale_bits << 16)
+    asm = _FP4_TO_BF16_FOLDED_ASM if folded else _FP4_TO_BF16_ASM
     for first in range(0, 256, 4):
         packed = sum((first + i) << (8 * i) for i in range(4))
-        regs = _run(str(_FP4_TO_BF16_ASM.value), {"$4": packed, "$5": pair, "$6": pair})
+        regs = _run(str(asm.value), {"$4": packed, "$5": pair, "$6": pair})
         lo = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
         hi = [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
         for i in range(4):

@@ -30,11 +30,10 @@ from .moe_matmul import (
     MoeConfig,
     MoeWeights,
     _check_activation,
+    _dequant_mxfp4_halves,
     _dot_scaled_format,
-    _fp4_bits,
     _fp4_pairs_bf16,
     _out_buffer,
-    _scale_fp32,
     _swiglu,
 )
 from .moe_routing import MoeRouting
@@ -45,12 +44,9 @@ from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 def _fp4_pairs(blk, scl, ASM: tl.constexpr):
     """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values in fp32, scaled, exact."""
     if ASM:
-        lo, hi = _fp4_pairs_bf16(blk, scl)
+        lo, hi = _fp4_pairs_bf16(blk, scl, False)
         return lo.to(tl.float32), hi.to(tl.float32)
-    lo, hi = _fp4_bits(blk)
-    scale = _scale_fp32(scl)[:, :, None]
-    return (lo.to(tl.float16, bitcast=True).to(tl.float32) * scale,
-            hi.to(tl.float16, bitcast=True).to(tl.float32) * scale)
+    return _dequant_mxfp4_halves(blk, scl)
 
 
 # Byte LUT: the high byte of the fp16 encoding of FP4 magnitude m (0, .5, 1, 1.5, 2, 3, 4, 6); the

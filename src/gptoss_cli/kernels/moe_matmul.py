@@ -42,6 +42,8 @@ from .rmsnorm import normalize_rows
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
+# Largest E8M0 byte the folded asm takes: its scale operand 2**(s - 1) must be a bf16 normal.
+FOLD_MAX_SCALE = 128
 # Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
 DECODE_MAX_ROWS_PER_EXPERT = 16
 COMBINE_BLOCK = 256  # columns per combine program
@@ -85,6 +87,9 @@ class MoeConfig:
     # already holds two K-consecutive values of one dot operand (the interleave of low and high
     # nibbles cost Triton ~1 PRMT per register). Offline SASS, batch-64 gemm1 K loop: 355 -> 302.
     even_odd: bool = True
+    # The asm with the 2**126 folded into the scale (one packed multiply per pair instead of two)
+    # where the weights allow it (MoeWeights.fold_scales). Offline SASS, batch-64 gemm1: 302 -> 270.
+    fold_scales: bool = True
     # gemm1 rows per program when smaller than the routing tile (0 = block_m): each gemm1 program
     # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
     # T=4096, swapped tiles: gemm2 1,344 -> 1,045 us at 256 rows, gemm1 1,655 -> 2,087 us.
@@ -159,6 +164,8 @@ class MoeWeights:
     w2_blocks: torch.Tensor
     w2_scales: torch.Tensor
     w2_bias: torch.Tensor
+    # Every scale byte <= FOLD_MAX_SCALE, so the asm may fold 2**126 into the scale (_fp4_pairs_bf16).
+    fold_scales: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -211,7 +218,9 @@ def prepare_moe_weights(
         raise ValueError(f"expert tensors are on several devices: {sorted(map(str, devices))}")
     w1 = _packed_layout(w1_blocks, w1_scales, w1_bias, "gate_up", (experts, two_inter, hidden // VALUES_PER_BLOCK))
     w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK))
-    return MoeWeights(*w1, *w2)
+    # One host sync per layer, at load: real scales sit far below the bound (weights under 12).
+    fold = max(int(w1_scales.max()), int(w2_scales.max())) <= FOLD_MAX_SCALE if w1_scales.numel() else True
+    return MoeWeights(*w1, *w2, fold_scales=fold)
 
 
 def _interpreting() -> bool:
@@ -235,14 +244,17 @@ def _operands(config: MoeConfig) -> str:
     return "interleaved" if config.use_dot_scaled else config.operands
 
 
-def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype) -> str:
+def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool = False) -> str:
     """The A_FORMAT of _mx_dot: tl.dot_scaled's name for the activation type, "asm" for the packed
-    bf16 dequantisation, or "" where the portable path must run (interpreter, fp32, fp16)."""
+    bf16 dequantisation ("asm-folded" where the weights' scales allow one multiply), or "" where
+    the portable path must run (interpreter, fp32, fp16)."""
     if _interpreting():
         return ""
     if config.use_dot_scaled:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
-    return "asm" if config.asm_dequant and dtype == torch.bfloat16 else ""
+    if not (config.asm_dequant and dtype == torch.bfloat16):
+        return ""
+    return "asm-folded" if config.fold_scales and fold_scales else "asm"
 
 
 @triton.jit
@@ -329,28 +341,47 @@ and.b32 x, t1, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, c, z; fma.rn.bf16x2 $3, x, $6, z;
 }
 """)
+# The same with 2**126 folded into the scales ($5, $6 hold 2**(s - 1), a bf16 normal for s <= 128): one
+# packed multiply per register. Exact for 1 <= s <= 128 as above; s = 0 gives FP4 * 2**-127 here.
+_FP4_TO_BF16_FOLDED_ASM = tl.constexpr("""
+{
+.reg .b32 t<2>, x, z, zero;
+mov.b32 z, 0x80008000;
+mov.b32 zero, 0;
+prmt.b32 t0, $4, zero, 0x4140;
+prmt.b32 t1, $4, zero, 0x4342;
+and.b32 x, t0, 0x000F000F; mul.lo.u32 x, x, 0x1040; and.b32 x, x, 0x81C081C0; fma.rn.bf16x2 $0, x, $5, z;
+and.b32 x, t1, 0x000F000F; mul.lo.u32 x, x, 0x1040; and.b32 x, x, 0x81C081C0; fma.rn.bf16x2 $1, x, $6, z;
+and.b32 x, t0, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0; fma.rn.bf16x2 $2, x, $5, z;
+and.b32 x, t1, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0; fma.rn.bf16x2 $3, x, $6, z;
+}
+""")
 
 
 @triton.jit
-def _fp4_pairs_bf16(blk, scl):
+def _fp4_pairs_bf16(blk, scl, FOLDED: tl.constexpr):
     """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values, bf16, scaled; GPU only.
-    Exact: the E8M0 byte shifted into a bf16 exponent is 2**(s - 127) for 1 <= s <= 254.
+    Exact: the E8M0 byte shifted into a bf16 exponent is 2**(s - 127) for 1 <= s <= 254, and
+    FOLDED (every s <= FOLD_MAX_SCALE) shifts s + 126 there instead, 2**(s - 1).
     tests/kernels/test_mxfp4_asm.py runs the PTX text through an instruction-level emulator on
     the CPU; the H200 tests check the hardware."""
-    scale = (scl.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+    if FOLDED:
+        scale = ((scl.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    else:
+        scale = (scl.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
     scale = tl.broadcast_to(scale[:, :, None], blk.shape)
     return tl.inline_asm_elementwise(
-        _FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [blk, scale],
+        _FP4_TO_BF16_FOLDED_ASM if FOLDED else _FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [blk, scale],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
     )  # fmt: skip
 
 
 @triton.jit
-def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLDED: tl.constexpr):
     """GPU-only twin of _dequant_mxfp4 with bf16 out and no fp32 round trip: the decode kernels'
     SASS loop bodies shrink by about a third (docs/optimizations.md), and decode time is spent on
     these instructions more than on bytes."""
-    lo, hi = _fp4_pairs_bf16(blk, scl)
+    lo, hi = _fp4_pairs_bf16(blk, scl, FOLDED)
     return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K))
 
 
@@ -361,13 +392,14 @@ def _mx_dot(
 ):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T, or with OPERANDS "swapped" acc
     [BLOCK_N, BLOCK_M] += W_tile @ a^T (MoeConfig.operands); A_FORMAT "" = dequantise by hand in
-    fp32, "asm" = by hand in packed bf16, otherwise tl.dot_scaled's name for the activation type
-    (only "interleaved")."""
-    if A_FORMAT == "asm" or A_FORMAT == "":
-        dt = tl.bfloat16 if A_FORMAT == "asm" else DOT_DTYPE
+    fp32, "asm" / "asm-folded" = by hand in packed bf16, otherwise tl.dot_scaled's name for the
+    activation type (only "interleaved")."""
+    ASM: tl.constexpr = A_FORMAT == "asm" or A_FORMAT == "asm-folded"
+    if ASM or A_FORMAT == "":
+        dt = tl.bfloat16 if ASM else DOT_DTYPE
         if OPERANDS == "even_odd":
-            if A_FORMAT == "asm":
-                lo, hi = _fp4_pairs_bf16(blk, scl)
+            if ASM:
+                lo, hi = _fp4_pairs_bf16(blk, scl, A_FORMAT == "asm-folded")
             else:
                 lo, hi = _dequant_mxfp4_halves(blk, scl)
             lo = tl.reshape(lo.to(dt), (BLOCK_N, BLOCK_K // 2))  # W[:, 0::2]
@@ -376,8 +408,8 @@ def _mx_dot(
             acc = tl.dot(a_even, tl.trans(lo), acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a_odd, tl.trans(hi), acc, input_precision=DOT_PRECISION)
         else:
-            if A_FORMAT == "asm":
-                w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K)
+            if ASM:
+                w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K, A_FORMAT == "asm-folded")
             else:
                 w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(dt)
             if OPERANDS == "swapped":
@@ -616,7 +648,7 @@ def moe_gemm1_swiglu(
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype), FAST_MATH=config.fast_math,
+        A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=_operands(config),
         SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -642,7 +674,8 @@ def moe_gemm2(
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
-        A_FORMAT=_dot_scaled_format(config, act.dtype), FAST_MATH=config.fast_math, SPLIT_K=config.split_k,
+        A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
+        SPLIT_K=config.split_k,
         OPERANDS=_operands(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
