@@ -312,9 +312,9 @@ def _dequant_mxfp4(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 def _dequant_mxfp4_halves(blk, scl):
     """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values [R, G, 16] fp32, exact."""
     lo, hi = _fp4_bits(blk)
-    scale = _scale_fp32(scl)[:, :, None]
-    # FP4_VALUES[nibble] * 2**-14, times the scale (which undoes the 2**-14)
-    return lo.to(tl.float16, bitcast=True).to(tl.float32) * scale, hi.to(tl.float16, bitcast=True).to(tl.float32) * scale
+    scale = _scale_fp32(scl)[:, :, None]  # undoes the 2**-14 of FP4_VALUES[nibble] * 2**-14
+    return (lo.to(tl.float16, bitcast=True).to(tl.float32) * scale,
+            hi.to(tl.float16, bitcast=True).to(tl.float32) * scale)
 
 
 # Four packed bytes (eight FP4 values) per instance, $4; their four bf16 scales in $5, $6 (two per
