@@ -184,6 +184,40 @@ def test_decodes_behind_a_prefill_stay_within_the_budget():
     assert {s.request_id: n for s, n in plan.chunks} == {"one": 1, "long": 15}
 
 
+class _BlockPerSequenceKv:
+    """A KV manager where a sequence's steps cost one block, its first one, out of `capacity`."""
+
+    def __init__(self, capacity: int, held: set[str]):
+        self.capacity, self.held = capacity, set(held)
+
+    def attach_prefix(self, seq):
+        return 0
+
+    def step_cost(self, seq, n):
+        return (0 if seq.request_id in self.held else 1, 0)
+
+    def can_run(self, cost):
+        return len(self.held) + cost[0] <= self.capacity
+
+    def reserve(self, seq, n):
+        self.held.add(seq.request_id)
+
+    def free(self, seq):
+        self.held.discard(seq.request_id)
+
+
+def test_a_preempted_planned_sequence_gives_its_tokens_back():
+    # The one-token "d" (newest) is planned first; "a" then needs the last block, so "d" is
+    # preempted, and its token returns to the budget for "b" (which holds its block already).
+    # Before: b got nothing and the step ran one token short of its budget.
+    sched = Scheduler(_BlockPerSequenceKv(2, {"b"}), 4, 16)
+    for rid, prompt in (("a", range(40)), ("b", range(40)), ("d", [5])):
+        sched.add(_seq(prompt, rid=rid))
+    plan = sched.schedule()
+    assert {s.request_id: n for s, n in plan.chunks} == {"a": 15, "b": 1}
+    assert sched.num_preemptions == 1 and [s.request_id for s in sched.waiting] == ["d"]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_simulation_with_one_token_prompts_under_pressure(seed):
     # One- and two-token prompts decode from their first step, next to long prompts still

@@ -76,7 +76,13 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted while planning an earlier sequence
             n = min(seq.num_pending, budget)
-            if n <= 0 or not self._make_room(seq, n, planned):
+            if n <= 0:
+                continue
+            planned_before = len(planned)
+            fits = self._make_room(seq, n, planned)
+            if len(planned) != planned_before:  # preempted victims give their planned tokens back
+                budget = self.max_step_tokens - sum(m for _, m in planned)
+            if not fits:
                 continue
             self.kv.reserve(seq, n)
             planned.append((seq, n))
