@@ -111,7 +111,8 @@ class MoeConfig:
 
     @property
     def operands(self) -> str:
-        """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved"."""
+        """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved" (tl.dot_scaled's tiles
+        ignore it: they read the packed bytes as they are)."""
         return "swapped" if self.swap_ab else "even_odd" if self.even_odd else "interleaved"
 
     @property
@@ -237,11 +238,6 @@ def _dot_dtype(dtype: torch.dtype):
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get full-precision dots (not TF32): fp32 is the exactness reference."""
     return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
-
-
-def _operands(config: MoeConfig) -> str:
-    """tl.dot_scaled takes the packed bytes as they are: its tiles keep the interleaved form."""
-    return "interleaved" if config.use_dot_scaled else config.operands
 
 
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool = False) -> str:
@@ -649,7 +645,7 @@ def moe_gemm1_swiglu(
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=_operands(config),
+        OPERANDS=config.operands,
         SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -676,7 +672,7 @@ def moe_gemm2(
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k,
-        OPERANDS=_operands(config), num_warps=config.num_warps, num_stages=config.num_stages,
+        OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
