@@ -141,8 +141,12 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "swap-m256": {"block_m": 256, "block_m1": 0},  # gemm1 in whole 256-row tiles too
     "swap-m128": {"block_m": 128, "block_m1": 0},  # session 7's first swapped default
     "swap-m64": {"block_m": 64, "block_m1": 0},
+    # One warpgroup per program and half-height weight tiles: two programs per SM, so one
+    # dequantises while the other's wgmmas run, with no barrier between them.
+    "w4": {"num_warps": 4, "block_n1": 32, "block_n2": 64},
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
-    "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
+    "unfolded": {"fold_scales": False},
+    "regs-free": {"maxnreg": 0},  # decode tiles without the register cap (before session 8)  # the asm's two multiplies per pair (before session 7)
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
@@ -156,8 +160,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
-    64: ["default", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled", "gemv"],
-    4096: ["default", "unfolded", "swap-m128", "swap-m256", "unswapped"],
+    64: ["default", "regs-free", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled", "gemv"],
+    4096: ["default", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
 
 

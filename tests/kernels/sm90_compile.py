@@ -7,16 +7,22 @@ one line per case, "OK <case>" or "FAIL <case>: <error>"; test_sm90_compile.py d
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
 DIV16_ARGS = {"hidden", "inter", "n", "k"}
 
 
-def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                 maxnreg: int = 0):
     """Compile `fn` for sm_90: `pointers` names the pointer arguments' types, `constexprs` holds the
-    constexpr parameters and any int argument the launcher would specialise (value 1)."""
+    constexpr parameters and any int argument the launcher would specialise (value 1); `maxnreg`
+    caps the registers per thread as MoeConfig.maxnreg does (0: no cap)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,10 +39,32 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
              if signature[n].startswith("*") or n.startswith("stride_") or n in DIV16_ARGS}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     if not kernel.asm.get("cubin"):
         raise RuntimeError("no cubin")
     return kernel
+
+
+def spilled_bytes(kernel) -> int:
+    """Stack bytes of a compiled kernel (> 0: ptxas spilled registers), from cuobjdump's resource
+    usage of its cubin (Triton bundles cuobjdump)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return sum(int(n) for n in re.findall(r"STACK:(\d+)", usage))
+
+
+def _no_spills(kernel, what: str) -> None:
+    """A register cap (MoeConfig.maxnreg) must not make ptxas spill: that would cost more than the
+    occupancy it buys."""
+    if spilled_bytes(kernel):
+        raise RuntimeError(f"{what} spills {spilled_bytes(kernel)} stack bytes under its register cap")
 
 
 def _combine(splits: int):
@@ -54,7 +82,7 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
-def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-folded"):
+def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-folded", maxnreg: int = 0):
     """pick_config's decode tiles (16 rows, asm dequantisation, even/odd K): gemm1 and gemm2."""
     import triton.language as tl
 
@@ -64,10 +92,19 @@ def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
               "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd"}
-    compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                 common | {"TOP_K": 4, "SUB_M": 1})
-    compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                 common | {"SPLIT_K": split_k})
+    g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
+                      common | {"TOP_K": 4, "SUB_M": 1}, maxnreg=maxnreg)
+    g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
+                      common | {"SPLIT_K": split_k}, maxnreg=maxnreg)
+    if maxnreg:
+        _no_spills(g1, f"gemm1 {block_n}x{block_k}")
+        _no_spills(g2, f"gemm2 {block_n}x{block_k}")
+
+
+def _picked_maxnreg(num_tokens: int) -> int:
+    from gptoss_cli.kernels.moe_matmul import pick_config
+
+    return pick_config(num_tokens, 32, 4).maxnreg
 
 
 def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded"):
@@ -161,9 +198,9 @@ def _router_topk(tokens: int, experts: int, norm: bool = False):
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
-    "decode-tiles-32x128-split2": lambda: _decode_tiles(32, 128, split_k=2),
-    "decode-tiles-64x64": lambda: _decode_tiles(64, 64),
-    "decode-tiles-64x64-unfolded": lambda: _decode_tiles(64, 64, fmt="asm"),
+    "decode-tiles-32x128-split2": lambda: _decode_tiles(32, 128, split_k=2, maxnreg=_picked_maxnreg(8)),
+    "decode-tiles-64x64": lambda: _decode_tiles(64, 64, maxnreg=_picked_maxnreg(64)),
+    "decode-tiles-64x64-unfolded": lambda: _decode_tiles(64, 64, fmt="asm", maxnreg=_picked_maxnreg(64)),
     "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),

@@ -425,6 +425,9 @@ def test_pick_config_regimes():
     assert not pick_config(64, 32, 4).swap_ab
     # gemm2 in 256-row tiles, gemm1 in 128-row slices of them
     assert (pick_config(4096, 32, 4).block_m, pick_config(4096, 32, 4).gemm1_rows) == (256, 128)
+    # ~128 rows per expert take 256-row tiles too (one tile per expert despite the spread); 64 do not
+    assert (pick_config(4096, 128, 4).block_m, pick_config(4096, 128, 4).gemm1_rows) == (256, 128)
+    assert pick_config(2048, 128, 4).block_m == 64
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):

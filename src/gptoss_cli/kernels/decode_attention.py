@@ -39,15 +39,16 @@ class DecodeTiles:
 def decode_tiles(num_splits: int = 1) -> DecodeTiles:
     """Host heuristic; the interpreter gets a small tile, the GPU a pipelined key tile.
 
-    GPU with splits (H200 sweep, batch 1, docs/performance.md): 128-key tiles and >= 1,024 keys
-    per split took 32k context from 42.2 to 34.2 us per layer and 131k from 93 to 87 us; the
-    static split count is sized for the longest context, so a shorter row leaves splits idle
-    instead of cutting its keys into slivers. One split (large batches) keeps the measured
-    64-key tile."""
+    GPU with splits (H200 sweeps, batch 1, docs/performance.md): 128-key tiles and >= 1,024 keys
+    per split took 32k context from 42.2 to 34.2 us per layer and 131k from 93 to 87 us (session
+    3); >= 512 keys then took 32k from 27.5 to 23.8 us, 131k unchanged (session 8: at 1,024 only
+    32 of 66 splits held keys at 32k, ~2 programs per SM). The static split count is sized for the
+    longest context, so a shorter row leaves splits idle instead of cutting its keys into
+    slivers. One split (large batches) keeps the measured 64-key tile."""
     if is_interpreted():
         return DecodeTiles(block_n=32, num_warps=4, num_stages=1)
     if num_splits > 1:
-        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=1024)
+        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=512)
     return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
 
 
