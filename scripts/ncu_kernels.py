@@ -7,7 +7,8 @@ Usage (GPU):
 Every case is run once outside the range first (Triton compiles, caches warm up the way a second
 call finds them), then once inside it. Cases: moe1 / moe64 / moe4096 (20b gemm1 + gemm2 at T
 tokens, pick_config's tiles; `--moe FIELD=VALUE` overrides them), attn32k (batch-1 decode
-attention over a 32k-token context; attn32k-fused with the split kernel folding its partials). Not a test and not a timer: ncu's replay is the measurement.
+attention over a 32k-token context; attn32k-fused with the split kernel folding its partials).
+Not a test and not a timer: ncu's replay is the measurement.
 """
 
 from __future__ import annotations
