@@ -145,8 +145,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # dequantises while the other's wgmmas run, with no barrier between them.
     "w4": {"num_warps": 4, "block_n1": 32, "block_n2": 64},
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
-    "unfolded": {"fold_scales": False},
-    "regs-free": {"maxnreg": 0},  # decode tiles without the register cap (before session 8)  # the asm's two multiplies per pair (before session 7)
+    "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
+    "regs-free": {"maxnreg": 0},  # decode tiles without the register cap (before session 8)
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,

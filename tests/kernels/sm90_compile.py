@@ -63,8 +63,9 @@ def spilled_bytes(kernel) -> int:
 def _no_spills(kernel, what: str) -> None:
     """A register cap (MoeConfig.maxnreg) must not make ptxas spill: that would cost more than the
     occupancy it buys."""
-    if spilled_bytes(kernel):
-        raise RuntimeError(f"{what} spills {spilled_bytes(kernel)} stack bytes under its register cap")
+    spilled = spilled_bytes(kernel)
+    if spilled:
+        raise RuntimeError(f"{what} spills {spilled} stack bytes under its register cap")
 
 
 def _combine(splits: int):
