@@ -95,10 +95,7 @@ def _row(op: str, layer: str, batch: int, tokens: int, ms: float, nbytes: float,
                 pct_bf16=100 * tflops / BF16_TFLOPS)
 
 
-def _decode_case(batch: int, context: int, window: int, device: str, timer, tiles=None, num_splits=None,
-                 fused: bool = False) -> dict:
-    """One decode launch (split kernel + reduce, or with `fused` the split kernel folding its own
-    partials through arrival counters)."""
+def _decode_case(batch: int, context: int, window: int, device: str, timer, tiles=None, num_splits=None) -> dict:
     from gptoss_cli.kernels.decode_attention import decode_attention
 
     ring = -(-window // BLOCK_SIZE) + 1 if window else 0
@@ -108,14 +105,12 @@ def _decode_case(batch: int, context: int, window: int, device: str, timer, tile
     sinks = torch.randn(NUM_HEADS, dtype=torch.bfloat16, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
-    counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device) if fused else None
     ms = timer(lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, sinks, SM_SCALE, window, ring,
-                                        num_splits=num_splits, out=out, tiles=tiles, counters=counters))
+                                        num_splits=num_splits, out=out, tiles=tiles))
     keys = min(context, window) if window else context
     kv_bytes = batch * keys * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     flops = 4 * HEAD_DIM * NUM_HEADS * batch * keys
-    op = "decode+f" if fused else "decode"
-    return _row(op, "sliding" if window else "full", batch, context, ms, kv_bytes + 2 * q.numel() * 2, flops)
+    return _row("decode", "sliding" if window else "full", batch, context, ms, kv_bytes + 2 * q.numel() * 2, flops)
 
 
 def _visible_pairs(tokens: int, window: int) -> int:
@@ -151,7 +146,6 @@ def bench(device: str = "cuda", sizes: Sizes | None = None) -> list[dict]:
     for batch in sizes.decode_batches:
         for context in sizes.decode_contexts:
             rows.append(_decode_case(batch, context, 0, device, timer))
-            rows.append(_decode_case(batch, context, 0, device, timer, fused=True))
         rows.append(_decode_case(batch, sizes.sliding_context, WINDOW, device, timer))
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -176,11 +170,11 @@ def sweep(device: str = "cuda") -> list[tuple[str, dict]]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'op':9}{'layer':9}{'B':>4}{'ctx/T':>8}{'ms':>10}{'GB':>9}{'TB/s':>7}{'%copy':>7}"
+    head = (f"{'op':8}{'layer':9}{'B':>4}{'ctx/T':>8}{'ms':>10}{'GB':>9}{'TB/s':>7}{'%copy':>7}"
             f"{'TFLOP':>8}{'TF/s':>8}{'%bf16':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['op']:9}{r['layer']:9}{r['batch']:>4}{r['tokens']:>8}{r['ms']:>10.4f}"
+        lines.append(f"{r['op']:8}{r['layer']:9}{r['batch']:>4}{r['tokens']:>8}{r['ms']:>10.4f}"
                      f"{r['gbytes']:>9.4f}{r['tbps']:>7.2f}{r['pct_copy']:>7.1f}{r['tflop']:>8.3f}"
                      f"{r['tflops']:>8.1f}{r['pct_bf16']:>7.1f}")
     return "\n".join(lines)

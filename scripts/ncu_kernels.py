@@ -7,8 +7,7 @@ Usage (GPU):
 Every case is run once outside the range first (Triton compiles, caches warm up the way a second
 call finds them), then once inside it. Cases: moe1 / moe64 / moe4096 (20b gemm1 + gemm2 at T
 tokens, pick_config's tiles; `--moe FIELD=VALUE` overrides them), attn32k (batch-1 decode
-attention over a 32k-token context; attn32k-fused with the split kernel folding its partials).
-Not a test and not a timer: ncu's replay is the measurement.
+attention over a 32k-token context). Not a test and not a timer: ncu's replay is the measurement.
 """
 
 from __future__ import annotations
@@ -33,11 +32,11 @@ def _moe_case(tokens: int, overrides: dict):
     return [fn for name, _, fn, *_ in kernels if name != "moe_forward"]
 
 
-def _attn_case(context: int, fused: bool = False):
+def _attn_case(context: int):
     import bench_attention as ba
 
     calls = []
-    ba._decode_case(1, context, 0, "cuda", lambda fn: calls.append(fn) or 1.0, fused=fused)
+    ba._decode_case(1, context, 0, "cuda", lambda fn: calls.append(fn) or 1.0)
     return calls
 
 
@@ -56,15 +55,12 @@ def _overrides(pairs: list[str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="+", choices=["moe1", "moe64", "moe4096", "attn32k", "attn32k-fused"])
+    parser.add_argument("cases", nargs="+", choices=["moe1", "moe64", "moe4096", "attn32k"])
     parser.add_argument("--moe", nargs="*", default=[], metavar="FIELD=VALUE")
     args = parser.parse_args()
     overrides = _overrides(args.moe)
     for name in args.cases:
-        if name.startswith("attn32k"):
-            fns = _attn_case(32768, fused=name.endswith("fused"))
-        else:
-            fns = _moe_case(int(name[3:]), overrides)
+        fns = _attn_case(32768) if name == "attn32k" else _moe_case(int(name[3:]), overrides)
         for fn in fns:
             fn()
         torch.cuda.synchronize()

@@ -142,7 +142,7 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
                         num_warps)
 
 
-def _decode_min_chunk(fused: bool = False):
+def _decode_min_chunk():
     import importlib
 
     import triton.language as tl
@@ -151,18 +151,11 @@ def _decode_min_chunk(fused: bool = False):
     da = importlib.import_module("gptoss_cli.kernels.decode_attention")
 
     pointers = {n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", "out_ptr")}
-    pointers |= {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
-                 "counters_ptr": "*i32"}
+    pointers |= {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32"}
     tiles = da.decode_tiles(num_splits=32)
-    kernel = compile_sm90(da._decode_split_kernel, pointers, {
+    compile_sm90(da._decode_split_kernel, pointers, {
         "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n, "NUM_SPLITS": 32,
-        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "FUSED_REDUCE": fused, "FENCE": fused, "PDL": True},
-        tiles.num_warps, tiles.num_stages)
-    if fused:
-        ptx = kernel.asm["ptx"]
-        if "fence.acq_rel.gpu" not in ptx or "atom" not in ptx:
-            raise RuntimeError("the fused reduce lost its fence or its atomic counter")
-        return
+        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "PDL": True}, tiles.num_warps, tiles.num_stages)
     compile_sm90(da._decode_reduce_kernel, {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*bf16",
                                             "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
                  {"HEAD_DIM": 64, "NUM_SPLITS": 33, "BLOCK_S": 64, "MIN_CHUNK": tiles.min_chunk,
@@ -216,7 +209,6 @@ CASES = {
     "prefill-swapped-256": lambda: _prefill(256),
     "prefill-swapped-128-1-stage": lambda: _prefill(128, num_stages=1),
     "decode-attention-min-chunk": _decode_min_chunk,
-    "decode-attention-fused-reduce": lambda: _decode_min_chunk(fused=True),
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),
     "router-topk-1-token": lambda: _router_topk(1, 32),

@@ -59,7 +59,7 @@ def _reference(q, kvs, seq_lens, sinks, window):
 
 
 def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num_splits, device,
-         dtype=torch.float32, sink_scale=1.0, head_dim=64, tiles=None, counters=None):
+         dtype=torch.float32, sink_scale=1.0, head_dim=64, tiles=None):
     k_cache, v_cache, table, kvs = _build_cache(seq_lens, num_kv_heads, head_dim, block_size, ring_blocks,
                                                 dtype, device)
     # q as a strided view of a fused projection output, the way the engine passes it.
@@ -67,7 +67,7 @@ def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num
     sinks = (torch.randn(num_heads, device=device) * sink_scale).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = decode_attention(q, k_cache, v_cache, table, lens, sinks, SM_SCALE, window, ring_blocks,
-                           num_splits=num_splits, tiles=tiles, counters=counters)
+                           num_splits=num_splits, tiles=tiles)
     return out, _reference(q, kvs, seq_lens, sinks, window)
 
 
@@ -95,39 +95,6 @@ def test_min_chunk_leaves_trailing_splits_empty(device):
     tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1, min_chunk=96)
     out, ref = _run([300, 77, 1, 0], 8, 1, 16, 0, 0, 8, device, tiles=tiles)
     assert_close(out, ref, _fp32_tol(device), "min_chunk 96, 8 splits")
-
-
-@pytest.mark.parametrize("case", ["boundaries", "trailing-empty", "ring", "many-live-splits", "bf16-gqa"])
-def test_fused_reduce_matches_reference_and_resets_counters(device, case):
-    # The last split program of each (sequence, KV head) folds the partials: rows of every length
-    # incl. 0, splits left empty by min_chunk, a ring, more live splits than one fold chunk (8).
-    # The counters must be zero again afterwards, so a second launch on them (the next layer, the
-    # next graph replay) works too.
-    counters = torch.zeros(64, dtype=torch.int32, device=device)
-    args = {
-        "boundaries": (BOUNDARY_LENS, 16, 2, 16, 0, 0, 4),
-        "trailing-empty": ([300, 77, 1, 0], 8, 1, 16, 0, 0, 8),
-        "ring": ([5, 40, 300], 16, 2, 16, 32, 9, 3),
-        "many-live-splits": ([300, 299], 8, 2, 16, 0, 0, 20),
-        "bf16-gqa": ([1, 33, 200], 64, 8, 16, 0, 0, 6),
-    }[case]
-    tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1, min_chunk=96) if case == "trailing-empty" else None
-    dtype = torch.bfloat16 if case == "bf16-gqa" else torch.float32
-    for _ in range(2):
-        out, ref = _run(*args, device, dtype=dtype, tiles=tiles, counters=counters)
-        tol = 2e-2 if dtype == torch.bfloat16 else _fp32_tol(device)
-        assert_close(out.float(), ref.float(), tol, f"fused reduce, {case}")
-        assert torch.count_nonzero(counters) == 0, "counters must be left at zero"
-
-
-def test_fused_reduce_rejects_bad_counters(device):
-    cache = torch.zeros(4, 16, 1, 64, device=device)
-    table = torch.zeros(1, 4, dtype=torch.int32, device=device)
-    lens = torch.ones(1, dtype=torch.int32, device=device)
-    q, sinks = torch.zeros(1, 8, 64, device=device), torch.zeros(8, device=device)
-    for bad in (torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int32, device=device)):
-        with pytest.raises(ValueError, match="counters"):
-            decode_attention(q, cache, cache, table, lens, sinks, SM_SCALE, 0, 0, num_splits=2, counters=bad)
 
 
 @pytest.mark.parametrize("ring_blocks,num_splits", [(0, 1), (9, 1), (9, 3)])

@@ -8,8 +8,6 @@ read once. With several splits the key range is cut into `num_splits` equal chun
 `DecodeTiles.min_chunk` keys each, so short rows leave trailing splits empty); each writes an
 unnormalised partial (acc, running max m, sum l) and a small reduce kernel folds them with the sink:
     out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M))   (base-2 logits)
-or, given caller-owned arrival counters, the split program that finishes last for its (sequence,
-KV head) does the same fold itself (one launch less; the counters return to zero).
 num_splits is a host-side static choice (CUDA graphs), never derived from device data.
 """
 
@@ -72,64 +70,13 @@ def _key_chunks(seq_len, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constex
 
 
 @triton.jit
-def _fence_gpu(token, FENCE: tl.constexpr):
-    """Every thread's earlier writes become visible GPU-wide before its later ones (GPU only: the
-    interpreter runs programs one after another). `token`: any int32 scalar (asm needs an operand)."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _last_split_folds(
-    part_o_ptr, part_ml_ptr, counter_ptr, out_ptr, seq, head, g_ok, sink, seq_len, start, chunk, num_heads,
-    stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FENCE: tl.constexpr,
-):  # fmt: skip
-    """The reduce kernel's work, done by whichever split program of a (sequence, KV head) finishes
-    last: each program publishes its partials and counts itself in; the last one folds the G heads'
-    live partials (the same formula, with a running maximum over chunks of splits) and puts the
-    counter back to 0 for the next launch. One launch less per layer."""
-    _fence_gpu(seq, FENCE)  # this thread's partials before the count (the classic threadfence reduction)
-    tl.debug_barrier()  # ... and every thread's, before the one atomic below
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        _fence_gpu(seq, FENCE)
-        live = tl.cdiv(seq_len - start, chunk)
-        offs_d = tl.arange(0, HEAD_DIM)
-        CHUNK_S: tl.constexpr = 8
-        offs_s = tl.arange(0, CHUNK_S)
-        m_run = sink
-        den = tl.full([BLOCK_G], 1.0, dtype=tl.float32)  # the sink's own weight, 2^(sink - m_run)
-        num = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        for s0 in range(0, live, CHUNK_S):
-            s_ok = (s0 + offs_s < live)[None, :] & g_ok[:, None]
-            rows = (seq * num_heads + head)[:, None] * NUM_SPLITS + s0 + offs_s[None, :]  # [G, S]
-            # .cg: L2, not this SM's L1, which may hold the buffer's lines from an earlier launch.
-            m_s = tl.load(part_ml_ptr + rows * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
-            o_s = tl.load(part_o_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_ok[:, :, None],
-                          other=0.0, cache_modifier=".cg")
-            new_m = tl.maximum(m_run, tl.max(m_s, axis=1))
-            rescale = tl.exp2(m_run - new_m)
-            w = tl.exp2(m_s - new_m[:, None])  # 0 for dead splits and padded heads
-            den = den * rescale + tl.sum(w * l_s, axis=1)
-            num = num * rescale[:, None] + tl.sum(w[:, :, None] * o_s, axis=1)
-            m_run = new_m
-        out = num / den[:, None]
-        tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-
-@triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_ml_ptr, counters_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, window, ring_blocks, num_heads,
     stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -169,10 +116,6 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m, mask=g_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l, mask=g_ok)
-        if FUSED_REDUCE:
-            _last_split_folds(part_o_ptr, part_ml_ptr, counters_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
-                              seq, head, g_ok, sink, seq_len, start, chunk, num_heads, stride_ob, stride_oh,
-                              NUM_SPLITS, BLOCK_G, HEAD_DIM, FENCE)
 
 
 @triton.jit
@@ -223,14 +166,6 @@ def _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim) ->
             raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
 
 
-def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
-    if counters.dtype != torch.int32 or not counters.is_contiguous() or counters.numel() < needed:
-        raise ValueError(f"counters must be contiguous int32 with >= {needed} elements, got {counters.dtype} "
-                         f"{tuple(counters.shape)}")
-    if counters.device != device:
-        raise ValueError(f"counters is on {counters.device}, q is on {device}")
-
-
 def _static_num_splits(q: torch.Tensor, num_kv_heads: int, block_size: int, max_blocks: int, window: int) -> int:
     """Pick splits from shapes only: the longest context the block table can describe (or the window)."""
     max_keys = window if window > 0 else max_blocks * block_size
@@ -242,16 +177,12 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int, ring_blocks: int,
     num_splits: int | None = None, out: torch.Tensor | None = None, tiles: DecodeTiles | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] at position seq_lens[b] - 1 against cached keys -> [B, H, D] (written into `out`).
 
     window = 0: all seq_lens[b] keys; window > 0: positions > seq_lens[b] - 1 - window.
     ring_blocks = R > 0: block_table[b, j % R] holds logical block j. Rows with seq_lens[b] == 0
     read nothing and produce zeros. No host synchronisation; shapes alone decide the launch.
-    counters: int32 zeros, >= B * Hkv elements, owned by the caller: with several splits the last
-    split program of each (sequence, KV head) folds the partials (no reduce launch) and leaves
-    the counters at zero again; None: a separate reduce kernel.
     """
     block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache)
     _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim)
@@ -272,20 +203,16 @@ def decode_attention(
     if num_splits > 1:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
-    fused = num_splits > 1 and counters is not None
-    if fused:
-        _check_counters(counters, num_seqs * num_kv_heads, q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sinks, out, part_o, part_ml, counters if fused else seq_lens,
+        q, k_cache, v_cache, block_table, seq_lens, sinks, out, part_o, part_ml,
         sm_scale * LOG2E, window, ring_blocks, num_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
-        NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, DOT_DTYPE=dot_dtype(q.dtype), FUSED_REDUCE=fused,
-        FENCE=fused and not is_interpreted(),
+        NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(pdl_enabled(q)),
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_o, part_ml, sinks, seq_lens, out, window, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),

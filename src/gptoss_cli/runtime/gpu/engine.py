@@ -46,10 +46,6 @@ class GpuEngineConfig:
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
     overlap_steps: bool = True
-    # Decode attention folds its split partials in the split kernel's last program per KV head
-    # instead of a reduce launch (kernels.decode_attention, `counters`). Written in session 8
-    # after the last device call: off until measured.
-    fused_attention_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -79,8 +75,7 @@ class GpuEngine(Engine):
         self.kv = KvManager(plan.full_blocks, plan.slide_blocks, opts.block_size, cfg.sliding_window)
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
         on_cuda = torch.device(device).type == "cuda"
-        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
-                         opts.fused_attention_reduce)
+        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear)
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

@@ -39,16 +39,12 @@ class ForwardBatch:
 
 class GpuModel:
     def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
-                 use_row_linear: bool = True, fused_attention_reduce: bool = False):
+                 use_row_linear: bool = True):
         self.w = weights
         self.use_row_linear = use_row_linear
         self.cfg = cfg = weights.config
         self.kv = kv
         device = weights.embed.device
-        # Arrival counters of decode attention's fused reduce: zero between launches, shared by
-        # the layers (one launch at a time on the stream). None: the separate reduce kernel.
-        self.attn_counters = (torch.zeros(max_step_tokens * cfg.num_key_value_heads, dtype=torch.int32, device=device)
-                              if fused_attention_reduce else None)
         self.cos, self.sin = rope_cos_sin(cfg, max_positions, device)
         self.moe_workspace = MoeWorkspace.allocate(max_step_tokens, weights.layers[0].experts,
                                                    cfg.num_experts_per_tok, weights.embed.dtype, device)
@@ -92,7 +88,7 @@ class GpuModel:
         v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
         if b.decode:
             o = decode_attention(q, kc, vc, tables, b.seq_lens, layer.sinks, cfg.sm_scale, layer.window, 0,
-                                 num_splits=b.num_splits[1 if sliding else 0], counters=self.attn_counters)
+                                 num_splits=b.num_splits[1 if sliding else 0])
         else:
             o = prefill_attention(q, k, v, kc, vc, tables, b.cu_seqlens, b.ctx_lens, layer.sinks, cfg.sm_scale,
                                   layer.window, 0, b.max_seqlen_q, b.max_ctx_len)
