@@ -46,17 +46,25 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
     return kernel
 
 
-def spilled_bytes(kernel) -> int:
-    """Stack bytes of a compiled kernel (> 0: ptxas spilled registers), from cuobjdump's resource
-    usage of its cubin (Triton bundles cuobjdump)."""
+def _cuobjdump(kernel, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(kernel) -> str:
+    """The SASS listing of a compiled kernel's cubin (cuobjdump, bundled with Triton)."""
+    return _cuobjdump(kernel, "-sass")
+
+
+def spilled_bytes(kernel) -> int:
+    """Stack bytes of a compiled kernel (> 0: ptxas spilled registers), from cuobjdump's resource
+    usage of its cubin (Triton bundles cuobjdump)."""
+    usage = _cuobjdump(kernel, "--dump-resource-usage")
     return sum(int(n) for n in re.findall(r"STACK:(\d+)", usage))
 
 
@@ -92,7 +100,8 @@ def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-              "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd"}
+              "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd",
+              "SCALE_WORDS": False}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "SUB_M": 1}, maxnreg=maxnreg)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
@@ -108,9 +117,10 @@ def _picked_maxnreg(num_tokens: int) -> int:
     return pick_config(num_tokens, 32, 4).maxnreg
 
 
-def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded"):
+def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_words: bool = False):
     """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height;
-    gemm1 takes tiles taller than 128 rows in 128-row slices."""
+    gemm1 takes tiles taller than 128 rows in 128-row slices. With `scale_words` (MoeConfig.scale_words)
+    the scales must reach shared memory through cp.async like the weights: no byte-wide global load."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -118,12 +128,17 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded"):
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped"}
-    compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                 common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128), "SUB_M": max(1, block_m // 128)},
-                 num_warps=8, num_stages=num_stages)
-    compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                 common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
+              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "SCALE_WORDS": scale_words}
+    g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
+                      common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
+                                "SUB_M": max(1, block_m // 128)},
+                      num_warps=8, num_stages=num_stages)
+    g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
+                      common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
+    for name, kernel in (("gemm1", g1), ("gemm2", g2)):
+        byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load
+        if num_stages > 1 and byte_loads == scale_words:
+            raise RuntimeError(f"{name}: scale_words={scale_words} but byte-wide global loads: {byte_loads}")
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
@@ -208,6 +223,8 @@ CASES = {
     "prefill-swapped-128": lambda: _prefill(128),
     "prefill-swapped-256": lambda: _prefill(256),
     "prefill-swapped-128-1-stage": lambda: _prefill(128, num_stages=1),
+    "prefill-swapped-256-scale-words": lambda: _prefill(256, scale_words=True),
+    "prefill-swapped-128-scale-words": lambda: _prefill(128, scale_words=True),
     "decode-attention-min-chunk": _decode_min_chunk,
     "gemv1-asm": lambda: _gemv("gemv1"),
     "gemv2-asm": lambda: _gemv("gemv2"),

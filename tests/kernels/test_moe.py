@@ -207,8 +207,10 @@ def test_prepare_rejects_bad_weights():
         prepare_moe_weights(b1, s1, c1[:, :3], b2, s2, c2)
 
 
-@pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED],
-                         ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced"])
+@pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED,
+                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True)],
+                         ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced",
+                              "prefill-swapped-scale-words"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -478,8 +480,8 @@ def test_real_shapes_bf16(tokens, variant):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}],
-                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles"])
+@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": True}],
+                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "scale-words"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 
@@ -501,9 +503,10 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
                                     dataclasses.replace(DECODE_INTERLEAVED, asm_dequant=True),
                                     dataclasses.replace(GEMV, asm_dequant=True), GEMV,
                                     dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
-                                    pick_config(4096, 32, 4)],
+                                    pick_config(4096, 32, 4),
+                                    dataclasses.replace(pick_config(4096, 32, 4), scale_words=True)],
                          ids=["asm", "fp32deq", "asm-interleaved", "gemv-asm", "gemv-fp32deq", "gemv-f16",
-                              "prefill-swapped-asm"])
+                              "prefill-swapped-asm", "prefill-swapped-asm-scale-words"])
 @pytest.mark.parametrize("max_scale", [240, FOLD_MAX_SCALE], ids=["two-multiplies", "folded"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.

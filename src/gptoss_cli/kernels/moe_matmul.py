@@ -97,6 +97,12 @@ class MoeConfig:
     # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
     # T=4096, swapped tiles: gemm2 1,344 -> 1,045 us at 256 rows, gemm1 1,655 -> 2,087 us.
     block_m1: int = 0
+    # Swapped tiles: each K step's scales as int32 words of 4 rows, not bytes. A byte per thread is
+    # below cp.async's 4-byte minimum, so Triton's pipeliner leaves the scales as a plain load inside
+    # the loop; ncu's source view put the prefill gemm2's top stall on it (session 9). With words
+    # they join the weights' cp.async ring (offline SASS). Written after the last device call: off
+    # until measured on the GPU (docs/optimizations.md, session 9).
+    scale_words: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -257,6 +263,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _register_cap(config: MoeConfig) -> dict:
     """The launch's maxnreg option where the config caps registers."""
     return {"maxnreg": config.maxnreg} if config.maxnreg else {}
+
+
+def _scale_words(config: MoeConfig, block_rows: int, rows: int) -> bool:
+    """SCALE_WORDS of a tiled kernel whose programs take `block_rows` of the weight's `rows`: the
+    swapped prefill tiles, when every row quad (and so every scale word) is 4-byte aligned."""
+    return config.scale_words and config.swap_ab and block_rows % 4 == 0 and rows % 4 == 0
 
 
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool = False) -> str:
@@ -450,18 +462,27 @@ def _mx_matmul(
     a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
     "swapped" OPERANDS accumulate the transpose (MoeConfig.swap_ab), transposed back at the end.
 
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
-    32-group granularity are exact. Out-of-range rows and columns read as 0.
+    32-group granularity are exact. Out-of-range rows and columns read as 0. SCALE_WORDS: wrows runs
+    in aligned quads of consecutive rows, and the weight rows and strides are multiples of 4.
     """
     g = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
     # Pointers are built once and advanced: the loop body does no per-element index math.
     blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
+    if SCALE_WORDS:
+        quad = tl.min(tl.reshape(wrows, (BLOCK_N // 4, 4)), axis=1)  # first row of each quad
+        quad_ok = tl.max(tl.reshape(wrow_ok.to(tl.int32), (BLOCK_N // 4, 4)), axis=1) > 0
+        scl_ptrs = (s_base + g[None, :] * stride_sg + quad[:, None]).to(tl.pointer_type(tl.int32))
+        scl_step = (BLOCK_K // 32) * (stride_sg // 4)
+    else:
+        scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
+        scl_step = (BLOCK_K // 32) * stride_sg
     if OPERANDS == "swapped":
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -471,11 +492,16 @@ def _mx_matmul(
         a = tl.load(a_ptrs, mask=a_row_ok[:, None] & (kk < left)[None, :], other=0.0)
         g_ok = g < left // 32
         blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-        scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
+        if SCALE_WORDS:
+            words = tl.load(scl_ptrs, mask=quad_ok[:, None] & g_ok[None, :], other=0)  # [BLOCK_N // 4, G]
+            shifts = (8 * tl.arange(0, 4))[None, :, None]
+            scl = tl.reshape((words[:, None, :] >> shifts) & 0xFF, (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
+        else:
+            scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
         acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS)
         a_ptrs += BLOCK_K
         blk_ptrs += BLOCK_K // 2
-        scl_ptrs += (BLOCK_K // 32) * stride_sg
+        scl_ptrs += scl_step
     if OPERANDS == "swapped":
         acc = tl.trans(acc)
     return acc
@@ -490,7 +516,7 @@ def _gemm1_swiglu_kernel(
     num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr,
+    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
     slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -510,7 +536,7 @@ def _gemm1_swiglu_kernel(
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
-        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS,
+        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -529,7 +555,7 @@ def _gemm2_kernel(
     num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
-    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr,
+    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -544,7 +570,7 @@ def _gemm2_kernel(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
         s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
         cols, col_ok, k_len, stride_wn, stride_sg,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
@@ -664,7 +690,7 @@ def moe_gemm1_swiglu(
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=config.operands,
+        OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1, 2 * w.intermediate),
         SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return act
@@ -690,7 +716,7 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k,
+        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2, w.hidden),
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return y
