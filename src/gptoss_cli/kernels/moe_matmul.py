@@ -265,10 +265,11 @@ def _register_cap(config: MoeConfig) -> dict:
     return {"maxnreg": config.maxnreg} if config.maxnreg else {}
 
 
-def _scale_words(config: MoeConfig, block_rows: int, rows: int) -> bool:
-    """SCALE_WORDS of a tiled kernel whose programs take `block_rows` of the weight's `rows`: the
-    swapped prefill tiles, when every row quad (and so every scale word) is 4-byte aligned."""
-    return config.scale_words and config.swap_ab and block_rows % 4 == 0 and rows % 4 == 0
+def _scale_words(config: MoeConfig, block_rows: int) -> bool:
+    """SCALE_WORDS of a tiled kernel whose programs take `block_rows` weight rows: the swapped prefill
+    tiles, when those come in whole quads. Weight row counts are hidden or 2 * intermediate, both
+    multiples of 32 (each is some matmul's K), so every quad's scale word is 4-byte aligned."""
+    return config.scale_words and config.swap_ab and block_rows % 4 == 0
 
 
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool = False) -> str:
@@ -469,7 +470,7 @@ def _mx_matmul(
 
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
     32-group granularity are exact. Out-of-range rows and columns read as 0. SCALE_WORDS: wrows runs
-    in aligned quads of consecutive rows, and the weight rows and strides are multiples of 4.
+    in aligned quads of consecutive rows (see _scale_words).
     """
     g = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
@@ -690,7 +691,7 @@ def moe_gemm1_swiglu(
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1, 2 * w.intermediate),
+        OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1),
         SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return act
@@ -716,7 +717,7 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2, w.hidden),
+        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2),
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return y
