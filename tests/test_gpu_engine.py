@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gptoss_cli.runtime.api import SamplingParams
+from gptoss_cli.runtime.gpu import model as gpu_model
 from gptoss_cli.runtime.gpu.engine import GpuEngine
 from gptoss_cli.runtime.gpu.kv_cache import sliding_blocks_needed
 from gptoss_cli.runtime.model_ref import ReferenceModel
@@ -135,3 +136,21 @@ def test_decode_graph_path_and_overlapped_steps_match_reference(ref, overlap):
     out = [o.token_ids for o in eng.generate(prompts, params)]
     assert out == [_ref_greedy(ref, p, 5) for p in prompts]
     assert eng.runner._graph_seqs is not None  # decode steps went through the graph path
+
+
+def test_fused_qkv_rope_batch1_decode_matches_reference(ref, monkeypatch):
+    # One sequence: every decode step is one token, so the qkv projection, RoPE and the K/V
+    # cache write run as the single kernels.qkv_rope launch (on the CPU through the graph path).
+    calls = []
+    fused = gpu_model.qkv_rope_store
+    monkeypatch.setattr(gpu_model, "qkv_rope_store", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    eng = _engine(fused_qkv_rope=True, max_batch=1)
+    if DEVICE == "cpu":
+        eng.runner.use_graphs = True
+        eng.runner._graphs = {b: _EagerGraph(eng.runner, b) for b in eng.runner.buckets}
+    prompt = _prompt(9, 41)
+    # 3 tokens: two decode steps, so the second reads K/V that the first stored (interpreted
+    # one-token projections cost ~30 s per step on the CPU)
+    assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
+    assert eng.runner._graph_seqs is not None
+    assert len(calls) >= eng.config.num_hidden_layers  # every layer of a decode step (or its capture)

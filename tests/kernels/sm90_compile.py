@@ -194,6 +194,16 @@ def _row_linear(block_n: int, num_warps: int):
                  {"BLOCK_N": block_n, "BLOCK_K": 4096, "PDL": True}, num_warps=num_warps)
 
 
+def _qkv_rope():
+    from gptoss_cli.kernels import qkv_rope
+
+    pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "kc_ptr", "vc_ptr")}
+    pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
+    kernel = compile_sm90(qkv_rope._qkv_rope_kernel, pointers, {
+        "H": 64, "HKV": 8, "HEAD_DIM": 64, "BLOCK_K": 4096, "BLOCK_SIZE": 64, "PDL": True})
+    _no_spills(kernel, "the fused qkv + rope")
+
+
 def _router_topk(tokens: int, experts: int, norm: bool = False):
     import triton
 
@@ -235,6 +245,7 @@ CASES = {
     "combine-norm-1-token": _combine_norm,
     "rope-store-kv": _rope_store,
     "row-linear-2x4": lambda: _row_linear(2, 4),
+    "qkv-rope-store": _qkv_rope,
     "row-linear-4x8": lambda: _row_linear(4, 8),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),

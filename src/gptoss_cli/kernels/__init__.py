@@ -10,6 +10,7 @@ from .kv_store import kv_store
 from .linear import row_linear, supports_row_linear
 from .moe import MoeWorkspace, moe_block, moe_forward
 from .moe_matmul import MoeConfig, MoeWeights, prepare_moe_weights
+from .qkv_rope import qkv_rope_store
 from .rmsnorm import rms_norm
 from .rope import apply_rope, apply_rope_qkv, rope_cos_sin
 from .sampling import SamplingRows, sample
@@ -17,5 +18,5 @@ from .sampling import SamplingRows, sample
 __all__ = [
     "MoeConfig", "MoeWeights", "MoeWorkspace", "apply_rope", "apply_rope_qkv", "choose_num_splits",
     "decode_attention", "kv_store", "moe_block", "moe_forward", "prefill_attention", "prepare_moe_weights",
-    "rms_norm", "rope_cos_sin", "row_linear", "sample", "SamplingRows", "supports_row_linear",
+    "qkv_rope_store", "rms_norm", "rope_cos_sin", "row_linear", "sample", "SamplingRows", "supports_row_linear",
 ]

@@ -42,6 +42,9 @@ class GpuEngineConfig:
     warm_up: bool | None = None
     # One-token qkv / o projections in kernels.linear.row_linear instead of cuBLAS (batch 1).
     row_linear: bool = True
+    # With row_linear: the batch-1 decode qkv projection also applies RoPE and writes K/V to the
+    # cache (kernels.qkv_rope), one launch less per layer. Off until measured on the H200.
+    fused_qkv_rope: bool = False
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
@@ -75,7 +78,8 @@ class GpuEngine(Engine):
         self.kv = KvManager(plan.full_blocks, plan.slide_blocks, opts.block_size, cfg.sliding_window)
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
         on_cuda = torch.device(device).type == "cuda"
-        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear)
+        model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
+                         opts.fused_qkv_rope)
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

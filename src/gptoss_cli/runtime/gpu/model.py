@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
-                        prefill_attention, rms_norm, rope_cos_sin, row_linear, supports_row_linear)
+                        prefill_attention, qkv_rope_store, rms_norm, rope_cos_sin, row_linear, supports_row_linear)
 from .kv_cache import KvCache
 from .weights import GpuWeights, LayerWeights
 
@@ -39,9 +39,10 @@ class ForwardBatch:
 
 class GpuModel:
     def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
-                 use_row_linear: bool = True):
+                 use_row_linear: bool = True, fused_qkv_rope: bool = False):
         self.w = weights
         self.use_row_linear = use_row_linear
+        self.fused_qkv_rope = use_row_linear and fused_qkv_rope
         self.cfg = cfg = weights.config
         self.kv = kv
         device = weights.embed.device
@@ -73,15 +74,18 @@ class GpuModel:
     def _attention(self, n: int, layer: LayerWeights, h: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         t = h.shape[0]
-        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
         sliding = layer.window > 0
         kc, vc = self.kv.k[n], self.kv.v[n]
         slots = b.slide_slots if sliding else b.full_slots
         tables = b.slide_tables if sliding else b.full_tables
-        # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
-        # chunk's new keys must not overwrite ring slots its own earlier queries still read.
-        apply_rope_qkv(qkv, b.positions, self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       cfg.head_dim, (kc, vc, slots) if b.decode else None)
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        if b.decode and self.fused_qkv_rope and supports_row_linear(h, layer.qkv_w):
+            qkv = qkv_rope_store(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc, slots)
+        else:
+            qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+            # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
+            # chunk's new keys must not overwrite ring slots its own earlier queries still read.
+            apply_rope_qkv(qkv, b.positions, self.cos, self.sin, *heads, (kc, vc, slots) if b.decode else None)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)

@@ -1,0 +1,118 @@
+"""The batch-1 decode qkv projection with RoPE and the K/V cache write in its epilogue (one launch).
+
+Unfused, one decode token costs two launches per layer: linear.row_linear (qkv = x @ W^T + b) and
+rope.apply_rope_qkv (rotate q and k, store k and v in the paged cache). The second moves almost no
+bytes, yet cost 2.9 us per layer on the H200 (session 9, GPTOSS_PDL=0): launch and dependency
+latency, 70 us of a 1.84 ms 20b step. The rotation pairs value i of a head with value i + D/2, so
+a row_linear program that owns exactly that pair of weight rows (BLOCK_N = 2, the tile row_linear
+already uses) holds both halves of its rotation and can finish the job itself: round the two dot
+products to the activation dtype (as row_linear stores them), rotate them in fp32 with the row of
+the shared cos/sin table (as the rope kernel does), store them to qkv, and for a K or V head also
+to the token's cache slot. The result is bit for bit that of the two launches.
+
+Program p owns head p // (D/2) of the fused q | k | v rows and the pair (i, i + D/2), i = p % (D/2).
+Positions outside the table leave the token unrotated and slot -1 writes no cache row, as in
+rope.apply_rope.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_store import _check_store_args, cache_geometry, store_token_heads
+from .linear import MAX_K, NUM_WARPS
+from .pdl import pdl_enabled, pdl_launch, wait_for_previous
+from .rope import _check_rope_args
+
+
+@triton.jit
+def _rotate_pair(y, c, s, live):
+    """y [2] = (value i, value i + D/2) of one head, rotated in fp32 and stored in y's dtype where `live`."""
+    y1, y2 = tl.split(tl.reshape(y, (1, 2)))
+    a = y1.to(tl.float32)
+    b = y2.to(tl.float32)
+    rot = tl.reshape(tl.join((a * c - b * s).to(y.dtype), (b * c + a * s).to(y.dtype)), (2,))
+    return tl.where(live, rot, y)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, k, stride_wn,
+    pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
+    kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
+    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = HEAD_DIM // 2
+    head = tl.program_id(0) // HALF
+    i = tl.program_id(0) % HALF
+    dims = i + tl.arange(0, 2) * HALF
+    rows = head * HEAD_DIM + dims
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < k
+    # Weights only before the wait (pdl.py): they stream while the previous launch finishes.
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=col_ok[None, :], other=0.0)
+    bias = tl.load(b_ptr + rows)
+    wait_for_previous(PDL)
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    # The position, its table entries and the slot are loaded before the dot products, so their
+    # latency hides behind the reduction instead of adding to the program's tail.
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr)
+    live = (pos >= 0) & (pos < num_positions) & (head < H + HKV)  # V heads are not rotated
+    pos = tl.where(live, pos, 0)
+    c = tl.load(cos_ptr + pos * stride_cs + i)
+    s = tl.load(sin_ptr + pos * stride_cs + i)
+    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias.to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty)  # row_linear's output, which the rope kernel would read
+    y = _rotate_pair(y, c, s, live)
+    tl.store(out_ptr + rows, y)
+    is_k = (head >= H) & (head < H + HKV)
+    all_dims = dims >= 0
+    store_token_heads(kc_ptr, slot, head - H, dims, y, all_dims & is_k, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
+    store_token_heads(vc_ptr, slot, head - H - HKV, dims, y, all_dims & (head >= H + HKV), stride_cb, stride_co,
+                      stride_ch, BLOCK_SIZE)
+
+
+def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots):
+    n, k = weight.shape
+    if n != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"weight must have (H + 2 Hkv) * D = {(num_heads + 2 * num_kv_heads) * head_dim} rows, got {n}")
+    if x.dim() != 2 or x.shape != (1, k) or x.stride(1) != 1:
+        raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)}")
+    if weight.stride(1) != 1 or bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"weight must be row-major [N, K] and bias [N], got {tuple(weight.shape)} / {tuple(bias.shape)}")
+    if k > MAX_K:
+        raise ValueError(f"the fused qkv projection keeps K <= {MAX_K} in registers, got {k}")
+    q_view = torch.empty((1, num_heads, head_dim), device=x.device)  # shapes only, for the rope checks
+    k_view = torch.empty((1, num_kv_heads, head_dim), device=x.device)
+    _check_rope_args(q_view, k_view, positions, cos, sin)
+    if cache_geometry(k_cache, v_cache)[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"the KV cache must hold {num_kv_heads} heads of {head_dim}, got {tuple(k_cache.shape)}")
+    _check_store_args(k_view, k_view, k_cache, slots, num_kv_heads, head_dim)
+
+
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token: qkv = row_linear(x, weight, bias) -> [1, (H + 2 Hkv) D] in x.dtype, then
+    apply_rope_qkv(qkv, positions, cos, sin, H, Hkv, D, (k_cache, v_cache, slots)), in one launch."""
+    _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    n, k = weight.shape
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] tensor")
+    block_size = k_cache.shape[1]
+    cos, sin = cos.contiguous(), sin.contiguous()  # no-ops for the shared tables
+    _qkv_rope_kernel[(n // 2,)](
+        x, weight, bias, out, k, weight.stride(0),
+        positions, cos, sin, cos.shape[0], cos.stride(0),
+        k_cache, v_cache, slots, *k_cache.stride()[:3],
+        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_K=triton.next_power_of_2(k), BLOCK_SIZE=block_size,
+        num_warps=NUM_WARPS, **pdl_launch(pdl_enabled(x)),
+    )  # fmt: skip
+    return out
