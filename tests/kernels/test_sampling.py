@@ -105,6 +105,37 @@ def test_uniforms_bit_exact(device):
     assert 0.0 < got.min() and got.max() < 1.0
 
 
+def test_cpu_uniforms_equal_the_int64_hash():
+    # uniform_ref takes numpy's wrapping uint32 arithmetic on the CPU; the int64 formulation
+    # (the GPU's torch path) defines the bits. Keys at both ends of the uint32 range wrap.
+    keys = torch.cat([torch.tensor([0, 1, 2**32 - 1, 2**31]), torch.randint(0, 2**32, (12,))])
+    assert torch.equal(sampling._uniform_np(keys, 70001), sampling._uniform_torch(keys, 70001))
+    assert torch.equal(uniform_ref(keys, 3), sampling._uniform_torch(keys, 3))
+
+
+def test_mass_above_equals_the_binary_search_form():
+    # Runs of equal probabilities (the rounding below makes many) must all get the mass of the
+    # entries strictly larger: total minus the cumulative sum up to the run's last entry.
+    p = torch.softmax(torch.randn(4, 5000) * 3, dim=-1)
+    p = (p * 1e4).round() / 1e4
+    p[2] = 1 / 5000  # one run over the whole row
+    asc = torch.sort(p, dim=-1).values
+    cum = torch.cumsum(asc, dim=-1)
+    want = cum[:, -1:] - cum.gather(1, torch.searchsorted(asc, p, right=True) - 1)
+    got = sampling._mass_above(p)
+    assert torch.equal(got, want)
+    assert (got[2] == 0).all() and (p.unique(dim=-1).shape[1] < 5000)
+
+
+def test_top_p_one_keeps_every_token_with_top_k():
+    # top_p = 1 filters nothing, also where the fp32 mass above a token rounds up to 1.
+    logits = torch.randn(2, 50000) * 4
+    p, drop = filter_ref(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 40000]), torch.tensor([1.0, 1.0]),
+                         torch.tensor([0.0, 0.0]))
+    assert not drop[0].any()
+    assert int((~drop[1]).sum()) == 40000
+
+
 def test_greedy_is_first_argmax(device):
     logits = _logits(5, 4999, device)
     logits[1, [17, 3000, 4998]] = 50.0  # tie: lowest index wins
