@@ -130,7 +130,7 @@ def test_mass_above_equals_the_binary_search_form():
 def test_top_p_one_keeps_every_token_with_top_k():
     # top_p = 1 filters nothing, also where the fp32 mass above a token rounds up to 1.
     logits = torch.randn(2, 50000) * 4
-    p, drop = filter_ref(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 40000]), torch.tensor([1.0, 1.0]),
+    _, drop = filter_ref(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 40000]), torch.tensor([1.0, 1.0]),
                          torch.tensor([0.0, 0.0]))
     assert not drop[0].any()
     assert int((~drop[1]).sum()) == 40000
