@@ -48,20 +48,29 @@ def supports_row_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= MAX_K
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None,
-               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """`linear_ref(x, weight, bias)` for x [1, K], weight [N, K] (row-major), bias [N] -> [1, N] in x.dtype."""
+def check_row_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None,
+                   what: str = "row_linear") -> torch.Tensor:
+    """The checks of a one-token projection's operands (x a contiguous [1, K] row, weight
+    row-major [N, K], bias [N], K within the register tile); returns its [1, N] output buffer."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape != (1, k) or x.stride(1) != 1:
         raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)}")
     if weight.stride(1) != 1 or bias.shape != (n,) or not bias.is_contiguous():
         raise ValueError(f"weight must be row-major [N, K] and bias [N], got {tuple(weight.shape)} / {tuple(bias.shape)}")
     if k > MAX_K:
-        raise ValueError(f"row_linear keeps K <= {MAX_K} in registers, got {k}")
+        raise ValueError(f"{what} keeps K <= {MAX_K} in registers, got {k}")
     if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or not out.is_contiguous():
+        return torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if out.shape != (1, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [1, {n}] tensor")
+    return out
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None,
+               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """`linear_ref(x, weight, bias)` for x [1, K], weight [N, K] (row-major), bias [N] -> [1, N] in x.dtype."""
+    out = check_row_args(x, weight, bias, out)
+    n, k = weight.shape
     _row_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
         num_warps=num_warps, **pdl_launch(pdl_enabled(x)),

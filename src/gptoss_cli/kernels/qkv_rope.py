@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
-from .linear import MAX_K, NUM_WARPS
+from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rope import _check_rope_args
 
@@ -76,22 +76,20 @@ def _qkv_rope_kernel(
                       stride_ch, BLOCK_SIZE)
 
 
-def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots):
-    n, k = weight.shape
-    if n != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"weight must have (H + 2 Hkv) * D = {(num_heads + 2 * num_kv_heads) * head_dim} rows, got {n}")
-    if x.dim() != 2 or x.shape != (1, k) or x.stride(1) != 1:
-        raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)}")
-    if weight.stride(1) != 1 or bias.shape != (n,) or not bias.is_contiguous():
-        raise ValueError(f"weight must be row-major [N, K] and bias [N], got {tuple(weight.shape)} / {tuple(bias.shape)}")
-    if k > MAX_K:
-        raise ValueError(f"the fused qkv projection keeps K <= {MAX_K} in registers, got {k}")
+def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots,
+                out) -> torch.Tensor:
+    """All operand checks; returns the [1, (H + 2 Hkv) D] output buffer."""
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if weight.shape[0] != rows:
+        raise ValueError(f"weight must have (H + 2 Hkv) * D = {rows} rows, got {weight.shape[0]}")
+    out = check_row_args(x, weight, bias, out, "the fused qkv projection")
     q_view = torch.empty((1, num_heads, head_dim), device=x.device)  # shapes only, for the rope checks
     k_view = torch.empty((1, num_kv_heads, head_dim), device=x.device)
     _check_rope_args(q_view, k_view, positions, cos, sin)
     if cache_geometry(k_cache, v_cache)[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"the KV cache must hold {num_kv_heads} heads of {head_dim}, got {tuple(k_cache.shape)}")
     _check_store_args(k_view, k_view, k_cache, slots, num_kv_heads, head_dim)
+    return out
 
 
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
@@ -100,12 +98,9 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, po
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token: qkv = row_linear(x, weight, bias) -> [1, (H + 2 Hkv) D] in x.dtype, then
     apply_rope_qkv(qkv, positions, cos, sin, H, Hkv, D, (k_cache, v_cache, slots)), in one launch."""
-    _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    out = _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                      slots, out)
     n, k = weight.shape
-    if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] tensor")
     block_size = k_cache.shape[1]
     cos, sin = cos.contiguous(), sin.contiguous()  # no-ops for the shared tables
     _qkv_rope_kernel[(n // 2,)](
