@@ -200,7 +200,7 @@ def _qkv_rope():
     pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "kc_ptr", "vc_ptr")}
     pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
     kernel = compile_sm90(qkv_rope._qkv_rope_kernel, pointers, {
-        "H": 64, "HKV": 8, "HEAD_DIM": 64, "BLOCK_K": 4096, "BLOCK_SIZE": 64, "PDL": True})
+        "H": 64, "HKV": 8, "HEAD_DIM": 64, "PAIRS": 1, "BLOCK_K": 4096, "BLOCK_SIZE": 64, "PDL": True})
     _no_spills(kernel, "the fused qkv + rope")
 
 

@@ -137,9 +137,12 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
         # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
         # with 32 columns, 41.2 in fp32). gemm2 with 8 rows per program: the engine's batch-1 step
-        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6).
-        return MoeConfig("decode", 16, 16, 8, 512, num_warps=4, num_stages=3, asm_dequant=True, gemv=True,
-                         gemv_f16=True, fused_router=True)
+        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6). The interpreter runs
+        # programs one by one at a fixed cost each, so the CPU engine takes 64-wide blocks (the
+        # kernel tests choose their own tiles).
+        wide = 64 if _interpreting() else 0
+        return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
+                         gemv=True, gemv_f16=True, fused_router=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
         # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise

@@ -10,7 +10,8 @@ products to the activation dtype (as row_linear stores them), rotate them in fp3
 the shared cos/sin table (as the rope kernel does), store them to qkv, and for a K or V head also
 to the token's cache slot. The result is bit for bit that of the two launches.
 
-Program p owns head p // (D/2) of the fused q | k | v rows and the pair (i, i + D/2), i = p % (D/2).
+Program p owns head p // (D/2) of the fused q | k | v rows and the pair (i, i + D/2), i = p % (D/2)
+(under the interpreter, several consecutive pairs: `_pairs_per_program`).
 Positions outside the table leave the token unrotated and slot -1 writes no cache row, as in
 rope.apply_rope.
 """
@@ -22,18 +23,20 @@ import triton
 import triton.language as tl
 
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
+from .attention import is_interpreted
 from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rope import _check_rope_args
 
 
 @triton.jit
-def _rotate_pair(y, c, s, live):
-    """y [2] = (value i, value i + D/2) of one head, rotated in fp32 and stored in y's dtype where `live`."""
-    y1, y2 = tl.split(tl.reshape(y, (1, 2)))
+def _rotate_pairs(y, c, s, live, PAIRS: tl.constexpr):
+    """y [2 PAIRS] = (value i, value i + D/2) for PAIRS consecutive i of one head, rotated in fp32
+    with c, s [PAIRS] and stored in y's dtype where `live`."""
+    y1, y2 = tl.split(tl.reshape(y, (PAIRS, 2)))
     a = y1.to(tl.float32)
     b = y2.to(tl.float32)
-    rot = tl.reshape(tl.join((a * c - b * s).to(y.dtype), (b * c + a * s).to(y.dtype)), (2,))
+    rot = tl.reshape(tl.join((a * c - b * s).to(y.dtype), (b * c + a * s).to(y.dtype)), (2 * PAIRS,))
     return tl.where(live, rot, y)
 
 
@@ -42,13 +45,14 @@ def _qkv_rope_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, k, stride_wn,
     pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
     kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
-    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
-    head = tl.program_id(0) // HALF
-    i = tl.program_id(0) % HALF
-    dims = i + tl.arange(0, 2) * HALF
+    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
+    head = tl.program_id(0) // PROGRAMS_PER_HEAD
+    i = (tl.program_id(0) % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)
+    dims = tl.reshape(i[:, None] + tl.arange(0, 2)[None, :] * HALF, (2 * PAIRS,))  # (i, i + D/2) pairs
     rows = head * HEAD_DIM + dims
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < k
@@ -67,7 +71,7 @@ def _qkv_rope_kernel(
     s = tl.load(sin_ptr + pos * stride_cs + i)
     y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1) + bias.to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty)  # row_linear's output, which the rope kernel would read
-    y = _rotate_pair(y, c, s, live)
+    y = _rotate_pairs(y, c, s, live, PAIRS)
     tl.store(out_ptr + rows, y)
     is_k = (head >= H) & (head < H + HKV)
     all_dims = dims >= 0
@@ -92,6 +96,15 @@ def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, h
     return out
 
 
+def _pairs_per_program(half: int) -> int:
+    """Rotation pairs per program: one on a GPU (row_linear's 2-row tile). The interpreter runs
+    programs one after another at ~5 ms each, so it takes the largest power of two dividing D/2
+    (a whole head for gpt-oss: 1,280 -> 20 programs for random:tiny's qkv)."""
+    if not is_interpreted():
+        return 1
+    return half & -half
+
+
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -102,12 +115,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, po
                       slots, out)
     n, k = weight.shape
     block_size = k_cache.shape[1]
+    pairs = _pairs_per_program(head_dim // 2)
     cos, sin = cos.contiguous(), sin.contiguous()  # no-ops for the shared tables
-    _qkv_rope_kernel[(n // 2,)](
+    _qkv_rope_kernel[(n // (2 * pairs),)](
         x, weight, bias, out, k, weight.stride(0),
         positions, cos, sin, cos.shape[0], cos.stride(0),
         k_cache, v_cache, slots, *k_cache.stride()[:3],
-        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_K=triton.next_power_of_2(k), BLOCK_SIZE=block_size,
-        num_warps=NUM_WARPS, **pdl_launch(pdl_enabled(x)),
+        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_SIZE=block_size, num_warps=NUM_WARPS, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     return out
