@@ -2,8 +2,8 @@
 
 Unfused, one decode token costs two launches per layer: linear.row_linear (qkv = x @ W^T + b) and
 rope.apply_rope_qkv (rotate q and k, store k and v in the paged cache). The second moves almost no
-bytes, yet cost 2.9 us per layer on the H200 (session 9, GPTOSS_PDL=0): launch and dependency
-latency, 70 us of a 1.84 ms 20b step. The rotation pairs value i of a head with value i + D/2, so
+bytes, yet took 2.9 us per layer of kernel time on the H200 (session 9, GPTOSS_PDL=0), 69 us per
+20b step: launch and dependency latency. The rotation pairs value i of a head with value i + D/2, so
 a row_linear program that owns exactly that pair of weight rows (BLOCK_N = 2, the tile row_linear
 already uses) holds both halves of its rotation and can finish the job itself: round the two dot
 products to the activation dtype (as row_linear stores them), rotate them in fp32 with the row of
