@@ -1,5 +1,5 @@
 """`gptoss chat` end to end in a real pseudo-terminal: prompt, streamed reply and stats line,
-Ctrl+C during a reply (SIGINT from the terminal), Ctrl+D to quit. Rules that keep pexpect reliable:
+Ctrl+C during a reply (SIGINT from the terminal) and right after Enter, Ctrl+D to quit. Rules that keep pexpect reliable:
 Enter is "\\r", and every keystroke waits for the prompt (or output) it depends on."""
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ def test_chat_in_a_real_terminal(tmp_path):
         # signal keys arrives as a plain byte, so the reply runs on.
         child.expect(r"[^\s\x1b]")
         child.send("\x03")
+        child.expect(r"\[interrupted\]")
+        child.expect(">>>")
+
+        # Enter and Ctrl+C in one write: prompt_toolkit reads both, returns at the Enter and keeps
+        # the Ctrl+C as typeahead; the turn must not start (chat_keys.py), the message waits for /retry.
+        child.send("and again\r\x03")
         child.expect(r"\[interrupted\]")
         child.expect(">>>")
 

@@ -3,7 +3,7 @@ slash commands. Imported only when a chat is interactive, so one-shot chat runs 
 
 Keys: Enter sends; Alt+Enter (or Esc then Enter) inserts a newline; text opened with \"\"\" continues
 until the closing \"\"\"; pasted text keeps its newlines. Ctrl+C stops a reply (the conversation is
-kept), clears a typed line, and on an empty prompt prints how to quit (twice in a row: quit, 130).
+kept; also when pressed right after Enter, see chat_keys.py), clears a typed line, and on an empty prompt prints how to quit (twice in a row: quit, 130).
 Ctrl+D on an empty prompt quits.
 """
 
@@ -23,6 +23,7 @@ from prompt_toolkit.output import ColorDepth
 
 from ..runtime.errors import GptossError
 from . import errors
+from .chat_keys import interrupt_pending
 from .chat_render import ChatRenderer, context_text, model_text, settings_text, toolbar_text
 from .chat_session import REASONING_MODES, SETTABLE, ChatSession, check_choice
 from .chat_store import ChatStore, make_private_dir, touch_private
@@ -363,7 +364,11 @@ def run_repl(ui: Ui, session: ChatSession, renderer: ChatRenderer, history_file:
             outcome = handle_line(line, session, renderer)
             if outcome == EXIT:
                 return errors.OK
-            if isinstance(outcome, Send):
+            if isinstance(outcome, Send) and interrupt_pending(prompt.app.input):
+                # Ctrl+C right after Enter, before the terminal raised it as SIGINT (chat_keys.py)
+                session.retry_text = outcome.text
+                renderer.interrupted()
+            elif isinstance(outcome, Send):
                 send(renderer, outcome.text)
             used[0] = session.context_used()
         except KeyboardInterrupt:  # Ctrl+C during a slow command: back to the prompt
