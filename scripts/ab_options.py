@@ -21,22 +21,7 @@ import sys
 
 import torch
 from gpu_check import _bench_engine, _prompts, _release, row
-from profile_decode import engine_options
-
-
-def parse_moe_fields(pairs: list[str]) -> dict:
-    """MoeConfig fields from FIELD=VALUE pairs, typed by the dataclass."""
-    from gptoss_cli.kernels.moe import MoeConfig
-
-    fields = {f.name: str(f.type) for f in dataclasses.fields(MoeConfig)}
-    changes = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--prefill-moe: unknown MoeConfig field {name!r}")
-        kind = fields[name]
-        changes[name] = value.lower() in ("1", "true") if kind == "bool" else int(value) if kind == "int" else value
-    return changes
+from profile_decode import engine_options, moe_fields
 
 
 class PrefillMoe:
@@ -76,7 +61,7 @@ def main() -> int:
     from gptoss_cli.runtime.random_checkpoint import random_weights
 
     options_b = engine_options(args.engine)
-    prefill = PrefillMoe(parse_moe_fields(args.prefill_moe))
+    prefill = PrefillMoe(moe_fields(args.prefill_moe, "--prefill-moe"))
     weights = random_weights(args.model, device="cuda")
     decode = {"A": [], "B": []}
     ttft = {"A": [], "B": []}

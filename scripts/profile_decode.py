@@ -110,8 +110,8 @@ def engine_options(pairs: list[str]) -> dict[str, bool | int]:
     return options
 
 
-def override_moe(pairs: list[str]) -> None:
-    """Patch kernels.moe.pick_config so steps of <= 64 tokens use the given MoeConfig fields."""
+def moe_fields(pairs: list[str], flag: str = "--moe") -> dict:
+    """MoeConfig fields from FIELD=VALUE pairs, typed by the dataclass."""
     import dataclasses
 
     from gptoss_cli.kernels import moe
@@ -121,9 +121,19 @@ def override_moe(pairs: list[str]) -> None:
     for pair in pairs:
         name, _, value = pair.partition("=")
         if name not in fields:
-            raise SystemExit(f"--moe: unknown MoeConfig field {name!r} (fields: {', '.join(fields)})")
+            raise SystemExit(f"{flag}: unknown MoeConfig field {name!r} (fields: {', '.join(fields)})")
         kind = str(fields[name])  # annotations are strings (postponed evaluation)
         changes[name] = value.lower() in ("1", "true") if kind == "bool" else int(value) if kind == "int" else value
+    return changes
+
+
+def override_moe(pairs: list[str]) -> None:
+    """Patch kernels.moe.pick_config so steps of <= 64 tokens use the given MoeConfig fields."""
+    import dataclasses
+
+    from gptoss_cli.kernels import moe
+
+    changes = moe_fields(pairs)
     base = moe.pick_config
 
     def patched(num_tokens: int, num_experts: int, top_k: int):

@@ -125,12 +125,18 @@ class _EagerGraph:
         self.runner._decode_body(self.bucket)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_decode_graph_path_and_overlapped_steps_match_reference(ref, overlap):
-    eng = _engine(overlap_steps=overlap, max_batch=2)
+def _graph_engine(**opts):
+    """An engine whose decode steps take the graph path, on a CPU through _EagerGraph."""
+    eng = _engine(**opts)
     if DEVICE == "cpu":
         eng.runner.use_graphs = True
         eng.runner._graphs = {b: _EagerGraph(eng.runner, b) for b in eng.runner.buckets}
+    return eng
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_graph_path_and_overlapped_steps_match_reference(ref, overlap):
+    eng = _graph_engine(overlap_steps=overlap, max_batch=2)
     prompts = [_prompt(n, 30 + n) for n in (5, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     out = [o.token_ids for o in eng.generate(prompts, params)]
@@ -144,13 +150,9 @@ def test_fused_qkv_rope_batch1_decode_matches_reference(ref, monkeypatch):
     calls = []
     fused = gpu_model.qkv_rope_store
     monkeypatch.setattr(gpu_model, "qkv_rope_store", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    eng = _engine(fused_qkv_rope=True, max_batch=1)
-    if DEVICE == "cpu":
-        eng.runner.use_graphs = True
-        eng.runner._graphs = {b: _EagerGraph(eng.runner, b) for b in eng.runner.buckets}
+    eng = _graph_engine(fused_qkv_rope=True, max_batch=1)
     prompt = _prompt(9, 41)
-    # 3 tokens: two decode steps, so the second reads K/V that the first stored (interpreted
-    # one-token projections cost ~30 s per step on the CPU)
+    # 3 tokens: two decode steps, so the second reads K/V that the first stored
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
     assert eng.runner._graph_seqs is not None
     assert len(calls) >= eng.config.num_hidden_layers  # every layer of a decode step (or its capture)

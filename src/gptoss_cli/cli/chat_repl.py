@@ -364,12 +364,13 @@ def run_repl(ui: Ui, session: ChatSession, renderer: ChatRenderer, history_file:
             outcome = handle_line(line, session, renderer)
             if outcome == EXIT:
                 return errors.OK
-            if isinstance(outcome, Send) and interrupt_pending(prompt.app.input):
-                # Ctrl+C right after Enter, before the terminal raised it as SIGINT (chat_keys.py)
-                session.retry_text = outcome.text
-                renderer.interrupted()
-            elif isinstance(outcome, Send):
-                send(renderer, outcome.text)
+            if isinstance(outcome, Send):
+                if interrupt_pending(prompt.app.input):
+                    # Ctrl+C right after Enter, before the terminal raised it as SIGINT (chat_keys.py)
+                    session.retry_text = outcome.text
+                    renderer.interrupted()
+                else:
+                    send(renderer, outcome.text)
             used[0] = session.context_used()
         except KeyboardInterrupt:  # Ctrl+C during a slow command: back to the prompt
             renderer.interrupted()

@@ -26,7 +26,7 @@ from .attention import is_interpreted
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
 from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
-from .rope import _check_rope_args
+from .rope import _check_rope_args, qkv_views
 
 
 @triton.jit
@@ -87,12 +87,11 @@ def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, h
     if weight.shape[0] != rows:
         raise ValueError(f"weight must have (H + 2 Hkv) * D = {rows} rows, got {weight.shape[0]}")
     out = check_row_args(x, weight, bias, out, "the fused qkv projection")
-    q_view = torch.empty((1, num_heads, head_dim), device=x.device)  # shapes only, for the rope checks
-    k_view = torch.empty((1, num_kv_heads, head_dim), device=x.device)
-    _check_rope_args(q_view, k_view, positions, cos, sin)
+    q, k, v = qkv_views(out, num_heads, num_kv_heads, head_dim)  # what the two unfused launches would see
+    _check_rope_args(q, k, positions, cos, sin)
     if cache_geometry(k_cache, v_cache)[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"the KV cache must hold {num_kv_heads} heads of {head_dim}, got {tuple(k_cache.shape)}")
-    _check_store_args(k_view, k_view, k_cache, slots, num_kv_heads, head_dim)
+    _check_store_args(k, v, k_cache, slots, num_kv_heads, head_dim)
     return out
 
 
