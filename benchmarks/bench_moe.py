@@ -147,7 +147,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
     "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
     "regs-free": {"maxnreg": 0},  # decode tiles without the register cap (before session 8)
-    "scale-words": {"scale_words": True},  # prefill tiles: scales as int32 words, in the cp.async ring
+    "byte-scales": {"scale_words": False},  # prefill tiles: scales as bytes, outside the cp.async ring (before session 11)
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
@@ -162,7 +162,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
     64: ["default", "regs-free", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled", "gemv"],
-    4096: ["default", "scale-words", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
+    4096: ["default", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
 
 

@@ -255,8 +255,10 @@ def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, 
     assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
 
 
-@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
-                         ids=["plain", "f16"])  # the interpreter runs f16 configs in fp32
+@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
+                                    dataclasses.replace(GEMV, gemv2_whole_k=True),
+                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True, gemv2_whole_k=True)],
+                         ids=["plain", "f16", "whole-k", "f16-whole-k"])  # the interpreter runs f16 configs in fp32
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
                          [(1, 4, 96, 96, 4, torch.float32), (3, 4, 64, 96, 4, torch.bfloat16),
                           (2, 6, 96, 64, 3, torch.float32)])
@@ -424,6 +426,7 @@ def test_pick_config_regimes():
     # Prefill: the asm dequantisation, with the weights as wgmma's register operand (Triton rejects
     # the asm tile as the shared-memory one).
     assert pick_config(4096, 32, 4).asm_dequant and pick_config(4096, 32, 4).swap_ab
+    assert pick_config(4096, 32, 4).scale_words and not pick_config(64, 32, 4).scale_words
     assert not pick_config(64, 32, 4).swap_ab
     # gemm2 in 256-row tiles, gemm1 in 128-row slices of them
     assert (pick_config(4096, 32, 4).block_m, pick_config(4096, 32, 4).gemm1_rows) == (256, 128)
@@ -472,16 +475,17 @@ def test_benchmark_smoke(monkeypatch):
 @requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True, "swap_ab": False},
                                      {"gemv_f16": False}, {"swap_ab": False, "asm_dequant": False},
-                                     {"even_odd": False}],
-                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped", "interleaved"])
+                                     {"even_odd": False}, {"gemv2_whole_k": True, "block_n2": 4}],
+                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped", "interleaved",
+                              "gemv2_whole_k"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
     _check_real_shapes_bf16(tokens, variant)
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": True}],
-                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "scale-words"])
+@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False}],
+                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 
@@ -504,9 +508,9 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
                                     dataclasses.replace(GEMV, asm_dequant=True), GEMV,
                                     dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
                                     pick_config(4096, 32, 4),
-                                    dataclasses.replace(pick_config(4096, 32, 4), scale_words=True)],
+                                    dataclasses.replace(pick_config(4096, 32, 4), scale_words=False)],
                          ids=["asm", "fp32deq", "asm-interleaved", "gemv-asm", "gemv-fp32deq", "gemv-f16",
-                              "prefill-swapped-asm", "prefill-swapped-asm-scale-words"])
+                              "prefill-swapped-asm-scale-words", "prefill-swapped-asm-byte-scales"])
 @pytest.mark.parametrize("max_scale", [240, FOLD_MAX_SCALE], ids=["two-multiplies", "folded"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.

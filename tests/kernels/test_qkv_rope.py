@@ -1,5 +1,6 @@
 """qkv_rope_store (the batch-1 qkv projection with RoPE and the K/V cache write in one launch) against
-the two launches it replaces, bit for bit, and against the torch twins."""
+the two launches it replaces (bit for bit in the interpreter, to the last fp32 bit on a GPU), and
+against the torch twins."""
 
 import pytest
 import torch
@@ -37,6 +38,23 @@ def _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot):
     return qkv, kc, vc
 
 
+def _assert_as_unfused(pairs):
+    """(got, want) pairs: bit for bit under the interpreter. On a GPU each kernel's dot product
+    ends in a butterfly reduction whose first step the compiler contracts into an FMA, so lanes
+    hold sums that differ in the last fp32 bit, and the two kernels store different lanes' values
+    (found on the H200 and in both kernels' PTX, session 11): one fp32 bit, which a bf16 rounding
+    turns into at most one bf16 ulp before the rotation."""
+    for what, got, want in pairs:
+        if not got.is_cuda:
+            assert torch.equal(got, want), what
+        else:
+            assert_close(got.float(), want.float(), 2e-6 if want.dtype == torch.float32 else 8e-3, what)
+
+
+def _check_unfused(got, caches, want, want_k, want_v):
+    _assert_as_unfused([("qkv", got, want), ("k cache", caches[0], want_k), ("v cache", caches[1], want_v)])
+
+
 SHAPES = [(8, 2, 8, 64), (5, 3, 6, 100), (4, 1, 64, 48)]  # odd sizes: D/2 = 3, K not a power of two
 
 
@@ -49,8 +67,8 @@ def test_fused_equals_row_linear_then_rope(device, dtype, cache_dtype, heads, kv
     slot = torch.tensor([BLOCK_SIZE * 2 + 5], device=device)
     want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
     got = qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot)
-    assert got.dtype == dtype and torch.equal(got, want)
-    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+    assert got.dtype == dtype
+    _check_unfused(got, caches, want, want_k, want_v)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", SHAPES[:2])
@@ -78,8 +96,8 @@ def test_out_of_table_position_and_padding_slot(device):
     pos = torch.tensor([cos.shape[0]], device=device)  # one past the table
     slot = torch.tensor([0], device=device)
     want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
-    assert torch.equal(qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot), want)
-    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+    _check_unfused(qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot), caches, want, want_k,
+                   want_v)
 
 
 def test_bad_arguments_raise(device):
@@ -108,7 +126,7 @@ def test_fused_real_shapes_bf16_gpu():
         pos, slot = torch.tensor([p], device="cuda"), torch.tensor([p % (NUM_BLOCKS * BLOCK_SIZE)], device="cuda")
         want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
         got = qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot)
-        assert torch.equal(got, want) and torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+        _check_unfused(got, caches, want, want_k, want_v)
         q, k, _ = qkv_views(linear_ref(x.float(), w.float(), b.float()), heads, kv_heads, d)
         got_q, got_k, _ = qkv_views(got, heads, kv_heads, d)
         # bf16 rounding before the rotation (as the unfused launches do), then again after it
@@ -134,4 +152,4 @@ def test_fused_cuda_graph_and_no_sync():
     x.copy_(torch.randn_like(x))
     want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
     graph.replay()
-    assert torch.equal(out, want) and torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+    _check_unfused(out, caches, want, want_k, want_v)

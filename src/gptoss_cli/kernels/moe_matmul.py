@@ -79,6 +79,10 @@ class MoeConfig:
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
+    # gemv only: gemv2 loads each program's weights for all of K at once (two power-of-two chunks,
+    # moe_gemv.whole_k_chunks), before its PDL wait where the caller allows it (moe_gemv2), as
+    # row_linear does: gemv2's 17.6 MB (20b, per layer) then stream while gemv1 runs.
+    gemv2_whole_k: bool = False
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
@@ -100,8 +104,8 @@ class MoeConfig:
     # Swapped tiles: each K step's scales as int32 words of 4 rows, not bytes. A byte per thread is
     # below cp.async's 4-byte minimum, so Triton's pipeliner leaves the scales as a plain load inside
     # the loop; ncu's source view put the prefill gemm2's top stall on it (session 9). With words
-    # they join the weights' cp.async ring (offline SASS). Written after the last device call: off
-    # until measured on the GPU (docs/optimizations.md, session 9).
+    # they join the weights' cp.async ring (offline SASS). pick_config turns it on for prefill
+    # tiles (H200, session 11: 20b TTFT 4k 81.7 -> 75.7 ms).
     scale_words: bool = False
 
     def __post_init__(self) -> None:
@@ -167,10 +171,11 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     # asm tile as the shared-memory operand ("Illegal shared layout"), and the swapped K loop is
     # ~28 % shorter in SASS (docs/optimizations.md, session 7). 128 weight rows per tile, so each
     # of the two warpgroups dequantises its own 64. gemm2 gains from 256-row tiles, gemm1 loses,
-    # so gemm1 takes them in 128-row slices.
+    # so gemm1 takes them in 128-row slices. Scales as int32 words in the cp.async ring: H200, 20b
+    # TTFT of a 4k prompt 81.7 -> 75.7 ms (session 11).
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
-        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128),
+        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
     )  # fmt: skip
 
 

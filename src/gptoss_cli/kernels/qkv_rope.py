@@ -8,7 +8,10 @@ a row_linear program that owns exactly that pair of weight rows (BLOCK_N = 2, th
 already uses) holds both halves of its rotation and can finish the job itself: round the two dot
 products to the activation dtype (as row_linear stores them), rotate them in fp32 with the row of
 the shared cos/sin table (as the rope kernel does), store them to qkv, and for a K or V head also
-to the token's cache slot. The result is bit for bit that of the two launches.
+to the token's cache slot. The arithmetic is that of the two launches: bit for bit under the
+interpreter; on a GPU the dot product's sum may differ in its last fp32 bit, as the compiler's FMA
+in the first step of the cross-lane reduction leaves lanes with slightly different sums and each
+kernel stores another lane's (H200 and PTX, session 11).
 
 Program p owns head p // (D/2) of the fused q | k | v rows and the pair (i, i + D/2), i = p % (D/2)
 (under the interpreter, several consecutive pairs: `_pairs_per_program`).
