@@ -141,10 +141,7 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_w
             raise RuntimeError(f"{name}: scale_words={scale_words} but byte-wide global loads: {byte_loads}")
 
 
-def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          whole_k: int = 0):
-    """whole_k = K > 0: gemv2 with MoeConfig.gemv2_whole_k at that K, its ids read before the wait;
-    it must not spill (its weights live in registers)."""
+def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
     from gptoss_cli.kernels import moe_gemv as mg
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
@@ -155,16 +152,9 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
                             {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
                             num_warps)
     pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-    chunks = {"WHOLE_K": False, "BLOCK_K2": 0, "IDS_EARLY": False}
-    if whole_k:
-        block_k, block_k2 = mg.whole_k_chunks(whole_k)
-        chunks = {"WHOLE_K": True, "BLOCK_K2": block_k2, "IDS_EARLY": True}
-    kernel = compile_sm90(mg._gemv2_kernel, pointers,
-                          {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True, **chunks},
-                          num_warps)
-    if whole_k:
-        _no_spills(kernel, "gemv2 with its whole K in registers")
-    return kernel
+    return compile_sm90(mg._gemv2_kernel, pointers,
+                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
+                        num_warps)
 
 
 def _decode_min_chunk():
@@ -259,7 +249,6 @@ CASES = {
     "row-linear-4x8": lambda: _row_linear(4, 8),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
-    "gemv2-f16-whole-k": lambda: _gemv("gemv2", 8, f16=True, whole_k=2880),
 }
 
 

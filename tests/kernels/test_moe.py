@@ -255,10 +255,8 @@ def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, 
     assert_close(got.float(), plain.float(), _tol(dtype, device), "split-K forward vs unsplit")
 
 
-@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
-                                    dataclasses.replace(GEMV, gemv2_whole_k=True),
-                                    dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True, gemv2_whole_k=True)],
-                         ids=["plain", "f16", "whole-k", "f16-whole-k"])  # the interpreter runs f16 configs in fp32
+@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
+                         ids=["plain", "f16"])  # the interpreter runs f16 configs in fp32
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
                          [(1, 4, 96, 96, 4, torch.float32), (3, 4, 64, 96, 4, torch.bfloat16),
                           (2, 6, 96, 64, 3, torch.float32)])
@@ -475,9 +473,8 @@ def test_benchmark_smoke(monkeypatch):
 @requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"asm_dequant": False}, {"use_dot_scaled": True, "swap_ab": False},
                                      {"gemv_f16": False}, {"swap_ab": False, "asm_dequant": False},
-                                     {"even_odd": False}, {"gemv2_whole_k": True, "block_n2": 4}],
-                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped", "interleaved",
-                              "gemv2_whole_k"])
+                                     {"even_odd": False}],
+                         ids=["default", "fp32deq", "dot_scaled", "gemv_fp32", "unswapped", "interleaved"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_real_shapes_bf16(tokens, variant):
     _check_real_shapes_bf16(tokens, variant)

@@ -239,12 +239,10 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             logits = router_logits(x, router_weight, router_bias)
         with record_function("moe.route"):
             routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
-    gemm1 = moe_gemv1_swiglu if cfg.gemv else moe_gemm1_swiglu
+    gemm1, gemm2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
     with record_function("moe.w1+swiglu"):
         act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
-        if cfg.gemv:  # right after gemv1 on the same routing: its ids may be read before the wait
-            y = moe_gemv2(act, routing, w, cfg, out=bufs[2], ids_ready=True)
-        else:  # split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe)
-            y = moe_gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
+        # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
+        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
     return y, cfg

@@ -116,24 +116,6 @@ def _x_pairs_f16(x_ptr, g, left):
 
 
 @triton.jit
-def _gemv_f16_step(acc, w, scl, x_row, left, BLOCK_R: tl.constexpr, G: tl.constexpr):
-    """acc [R, G] += the packed-fp16 dot products of one K step: words w [R, G, 4] (int32) and
-    scales scl [R, G] of G blocks, against the activations from x_row on (`left` values left)."""
-    g = tl.arange(0, G)
-    a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _x_pairs_f16(x_row, g, left)
-    w0, w1, w2, w3 = _quarters(tl.reshape(w, (BLOCK_R * G, 4)))
-    dot = tl.inline_asm_elementwise(
-        _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
-        [tl.reshape(w0, (BLOCK_R, G)), tl.reshape(w1, (BLOCK_R, G)), tl.reshape(w2, (BLOCK_R, G)),
-         tl.reshape(w3, (BLOCK_R, G)),
-         a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :], c1[None, :], d1[None, :],
-         a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
-        dtype=tl.float32, is_pure=True, pack=1,
-    )  # fmt: skip
-    return acc + dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """_mx_gemv with packed-fp16 block dot products (module docstring); NaN/inf where a block
@@ -148,44 +130,19 @@ def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
         g_ok = g < (K - k0) // 32
         w = tl.load(w_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
         scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-        acc = _gemv_f16_step(acc, w, scl, x_row + k0, K - k0, BLOCK_R, G)
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _x_pairs_f16(x_row + k0, g, K - k0)
+        w0, w1, w2, w3 = _quarters(tl.reshape(w, (BLOCK_R * G, 4)))
+        dot = tl.inline_asm_elementwise(
+            _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
+            [tl.reshape(w0, (BLOCK_R, G)), tl.reshape(w1, (BLOCK_R, G)), tl.reshape(w2, (BLOCK_R, G)),
+             tl.reshape(w3, (BLOCK_R, G)),
+             a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :], c1[None, :], d1[None, :],
+             a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+        acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         w_ptrs += BLOCK_K // 8
         scl_ptrs += G * stride_sg
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _chunk_loads(w_base, s_base, wrows, wrow_ok, k0, K, stride_wn, stride_sg, BLOCK_K: tl.constexpr,
-                 F16: tl.constexpr):
-    """The weights of K values [k0, k0 + BLOCK_K) (masked at K): words [R, G, 4] (int32) with F16,
-    else bytes [R, G, 16], and scales [R, G]."""
-    G: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, G)
-    g_ok = g < K // 32
-    if F16:
-        words = w_base.to(tl.pointer_type(tl.int32))
-        w = tl.load(words + wrows[:, None, None] * (stride_wn // 4) + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
-                    mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-    else:
-        w = tl.load(w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
-                    mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-    scl = tl.load(s_base + g[None, :] * stride_sg + wrows[:, None], mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-    return w, scl
-
-
-@triton.jit
-def _chunk_dots(x_row, w, scl, k0, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
-                F16: tl.constexpr):
-    """[R] fp32 dot products of the loaded chunk (_chunk_loads) with x[k0 : k0 + BLOCK_K]."""
-    G: tl.constexpr = BLOCK_K // 32
-    acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
-    if F16:
-        acc = _gemv_f16_step(acc, w, scl, x_row + k0, K - k0, BLOCK_R, G)
-    else:
-        g = tl.arange(0, G)
-        x_ptrs = x_row + k0 + g[:, None, None] * 32 + tl.arange(0, 16)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-        x = tl.load(x_ptrs, mask=(g < (K - k0) // 32)[:, None, None], other=0.0).to(tl.float32)
-        acc = _gemv_step(acc, x, w, scl, ASM)
     return tl.sum(acc, axis=1)
 
 
@@ -283,43 +240,17 @@ def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
-    WHOLE_K: tl.constexpr = False, BLOCK_K2: tl.constexpr = 0, IDS_EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    """A loop over K in BLOCK_K steps after the wait; or WHOLE_K: the program's weights for all of
-    K as chunks [0, BLOCK_K) and [BLOCK_K, BLOCK_K + BLOCK_K2) (none if 0), loaded in one go, with
-    IDS_EARLY before the wait (moe_gemv2)."""
-    if not IDS_EARLY:
-        wait_for_previous(PDL)
+    wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
-    w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    if WHOLE_K:
-        w_a, s_a = _chunk_loads(w_base, s_base, rows, ok, 0, inter, stride_wn, stride_sg, BLOCK_K, F16)
-        if BLOCK_K2 > 0:
-            w_b, s_b = _chunk_loads(w_base, s_base, rows, ok, BLOCK_K, inter, stride_wn, stride_sg, BLOCK_K2, F16)
-        if IDS_EARLY:
-            wait_for_previous(PDL)
-        acc = _chunk_dots(act_row, w_a, s_a, 0, inter, BLOCK_N, BLOCK_K, ASM, F16)
-        if BLOCK_K2 > 0:
-            acc += _chunk_dots(act_row, w_b, s_b, BLOCK_K, inter, BLOCK_N, BLOCK_K2, ASM, F16)
-        if F16:
-            if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # an fp16 block sum overflowed: redo in fp32
-                acc = _mx_gemv(act_row, w_base, s_base, rows, ok, inter, stride_wn, stride_sg, BLOCK_N, 32, False)
-    else:
-        acc = _row_dots(act_row, w_base, s_base, rows, ok, inter, stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16)
+    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
+                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
-
-
-def whole_k_chunks(k: int) -> tuple[int, int]:
-    """K as two power-of-two chunks (the first the largest that fits, the second the rest rounded
-    up; 0 if none): 2,880 -> (2,048, 1,024), 96 of 3,072 loaded values masked instead of 1,216
-    with one 4,096-wide tile."""
-    first = 1 << (k.bit_length() - 1)
-    return first, triton.next_power_of_2(k - first) if k > first else 0
 
 
 def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, name: str, shape_in: tuple,
@@ -358,29 +289,17 @@ def moe_gemv1_swiglu(
 
 
 def moe_gemv2(
-    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None,
-    ids_ready: bool = False,
+    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights.
-
-    config.gemv2_whole_k: each program loads its weights for all of K at once. With ids_ready as
-    well, it reads the expert ids and issues that load before its PDL wait, so the weights stream
-    while the launch before it (gemv1) runs. The caller vouches that this is safe: the ids were
-    written by a launch that finished before the one just before this began to release it (pdl.py:
-    that launch releases only after its own wait). moe_gemv1_swiglu on the same routing, launched
-    just before, is such a launch."""
+    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
     slots = routing.num_tokens * routing.top_k
     y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out)
     if y.shape[0] == 0:
         return y
-    options = _launch_options(config, act)
-    if config.gemv2_whole_k:
-        options["BLOCK_K"], options["BLOCK_K2"] = whole_k_chunks(w.intermediate)
-        options |= {"WHOLE_K": True, "IDS_EARLY": ids_ready and options["PDL"]}
     _gemv2_kernel[(y.shape[0], triton.cdiv(w.hidden, config.block_n2))](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, **options,
+        BLOCK_N=config.block_n2, **_launch_options(config, act),
     )  # fmt: skip
     return y

@@ -79,10 +79,6 @@ class MoeConfig:
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
-    # gemv only: gemv2 loads each program's weights for all of K at once (two power-of-two chunks,
-    # moe_gemv.whole_k_chunks), before its PDL wait where the caller allows it (moe_gemv2), as
-    # row_linear does: gemv2's 17.6 MB (20b, per layer) then stream while gemv1 runs.
-    gemv2_whole_k: bool = False
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
