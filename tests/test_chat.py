@@ -478,6 +478,23 @@ def test_repl_interrupted_turn_then_retry(tok):
     assert "again" in out and len(engine.prompts) == 2 and engine.aborted
 
 
+def test_repl_sigint_before_the_turn_starts_keeps_the_message_for_retry(tok, monkeypatch):
+    # The terminal turned a Ctrl+C typed right after Enter into SIGINT while the REPL was between
+    # the prompt and the turn (here: inside the typeahead check).
+    from gptoss_cli.cli import chat_repl
+
+    def sigint(_input):
+        monkeypatch.setattr(chat_repl, "interrupt_pending", lambda _input: False)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat_repl, "interrupt_pending", sigint)
+    session, engine = make_session(tok, [reply(tok, None, "answer")])
+    code, out, err = run_repl_with(session, "question\r/retry\r\x04")
+    assert code == 0 and "[interrupted]" in err
+    assert len(engine.prompts) == 1 and "answer" in out  # /retry sent the message that never ran
+    assert [m.content for m in session.messages if m.role == "user"] == ["question"]
+
+
 def test_repl_history_file_is_private(tok, tmp_path):
     from gptoss_cli.cli.chat_store import history_path
 

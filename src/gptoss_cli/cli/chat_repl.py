@@ -360,19 +360,24 @@ def run_repl(ui: Ui, session: ChatSession, renderer: ChatRenderer, history_file:
         except EOFError:
             return errors.OK
         idle_interrupts = 0
+        unsent = None  # a message between Enter and its turn: kept for /retry if Ctrl+C lands there
         try:
             outcome = handle_line(line, session, renderer)
             if outcome == EXIT:
                 return errors.OK
             if isinstance(outcome, Send):
+                unsent = outcome.text
                 if interrupt_pending(prompt.app.input):
                     # Ctrl+C right after Enter, before the terminal raised it as SIGINT (chat_keys.py)
-                    session.retry_text = outcome.text
+                    session.retry_text, unsent = unsent, None
                     renderer.interrupted()
                 else:
-                    send(renderer, outcome.text)
+                    send(renderer, outcome.text)  # from here on the turn keeps the message itself
+                unsent = None
             used[0] = session.context_used()
-        except KeyboardInterrupt:  # Ctrl+C during a slow command: back to the prompt
+        except KeyboardInterrupt:  # Ctrl+C during a slow command, or as SIGINT before the turn began
+            if unsent is not None:
+                session.retry_text = unsent
             renderer.interrupted()
 
 
