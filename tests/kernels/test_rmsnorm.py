@@ -70,6 +70,20 @@ def test_strided_rows_and_residual_out_without_residual(device):
     assert_close(y, y_ref, 1e-5, "strided")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_row_ids_normalise_rows_gathered_from_a_table(device, dtype, tokens):
+    # The embedding lookup fused into the first norm: rows of a [V, C] table, repeats included.
+    table = (torch.randn(50, 100, device=device) * 3).to(dtype)
+    ids = torch.randint(0, 50, (tokens,), device=device)
+    ids[0] = ids[-1] = 49
+    weight = (torch.rand(100, device=device) + 0.5).to(dtype)
+    y, h = rms_norm(table, weight, 1e-5, row_ids=ids)
+    y_ref, h_ref = rms_norm_ref(table[ids], weight, 1e-5)
+    assert y.shape == h.shape == (tokens, 100) and torch.equal(h, table[ids])
+    _check(y, h, y_ref, h_ref, dtype, device == "cuda")
+
+
 def test_bad_arguments_raise(device):
     x = torch.randn(4, 64, device=device)
     with pytest.raises(ValueError, match="weight"):
@@ -81,6 +95,13 @@ def test_bad_arguments_raise(device):
     with pytest.raises(TypeError, match="out"):
         fp16_out = torch.empty(4, 64, dtype=torch.float16, device=device)
         rms_norm(x, torch.ones(64, device=device), 1e-5, out=fp16_out)
+    ids = torch.tensor([1, 2], device=device)
+    with pytest.raises(ValueError, match="no residual"):
+        rms_norm(x, torch.ones(64, device=device), 1e-5, x, row_ids=ids)
+    with pytest.raises(ValueError, match="int64"):
+        rms_norm(x, torch.ones(64, device=device), 1e-5, row_ids=ids.int())
+    with pytest.raises(ValueError, match=r"\(2, 64\)"):
+        rms_norm(x, torch.ones(64, device=device), 1e-5, out=torch.empty_like(x), row_ids=ids)
 
 
 @requires_gpu

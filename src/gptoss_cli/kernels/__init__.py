@@ -6,6 +6,7 @@ the same kernels run on the CPU (tests); bf16 is loaded and computed in fp32 the
 
 from .attention import prefill_attention
 from .decode_attention import choose_num_splits, decode_attention
+from .decode_step import advance_decode, decode_slots
 from .kv_store import kv_store
 from .linear import row_linear, supports_row_linear
 from .moe import MoeWorkspace, moe_block, moe_forward
@@ -16,7 +17,7 @@ from .rope import apply_rope, apply_rope_qkv, rope_cos_sin
 from .sampling import SamplingRows, sample
 
 __all__ = [
-    "MoeConfig", "MoeWeights", "MoeWorkspace", "apply_rope", "apply_rope_qkv", "choose_num_splits",
-    "decode_attention", "kv_store", "moe_block", "moe_forward", "prefill_attention", "prepare_moe_weights",
+    "MoeConfig", "MoeWeights", "MoeWorkspace", "advance_decode", "apply_rope", "apply_rope_qkv", "choose_num_splits",
+    "decode_attention", "decode_slots", "kv_store", "moe_block", "moe_forward", "prefill_attention", "prepare_moe_weights",
     "qkv_rope_store", "rms_norm", "rope_cos_sin", "row_linear", "sample", "SamplingRows", "supports_row_linear",
 ]

@@ -5,6 +5,8 @@ y = h * rsqrt(mean(h^2) + eps) * weight, h = x (+ residual), statistics in fp32,
 `rms_norm` is one Triton launch: each program normalises ROWS whole rows (the row lives in
 registers, so x and residual are read once and y and h written once), ROWS > 1 only for narrow
 rows. The sum h = x + residual is rounded to x.dtype before the statistics, exactly as stored.
+With `row_ids` the rows are gathered from a table (the embedding lookup before the first block):
+the gather is this launch's load instead of a launch of its own.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ def rms_norm_ref(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, h_ptr,
+    x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, ids_ptr,
     T, C, stride_x, stride_r, stride_y, stride_h, eps,
     HAS_RES: tl.constexpr, STORE_H: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROW_IDS: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    mask = (rows < T)[:, None] & col_ok[None, :]
+    row_ok = rows < T
+    mask = row_ok[:, None] & col_ok[None, :]
+    if ROW_IDS:
+        src = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None]
+    else:
+        src = rows.to(tl.int64)[:, None]
     rows = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + src * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + rows * stride_r + cols[None, :], mask=mask, other=0.0)
         # Round the sum to the stored dtype first: the statistics see what the stream keeps.
@@ -57,11 +65,11 @@ def normalize_rows(x, w_ptr, cols, col_ok, C, eps):
     return h * rstd[:, None] * w[None, :]
 
 
-def _check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if t.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
-    if t.device != like.device:
-        raise ValueError(f"{name} is on {t.device}, x on {like.device}")
+def _check_2d(name: str, t: torch.Tensor, shape: tuple[int, int], device: torch.device) -> None:
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, x on {device}")
     if t.stride(1) != 1:
         raise ValueError(f"{name} must have unit stride along C")
 
@@ -81,12 +89,14 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    row_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_ref` in one launch: x [T, C] (+ residual [T, C]) -> (y, h), both x.dtype.
 
     h is x itself when there is no residual and no `residual_out`. `out` / `residual_out` may be
     preallocated (and may alias x or residual: each row is read whole before it is written).
-    No host sync, so it can be captured in a CUDA graph.
+    row_ids [T] int64: normalise the rows x[row_ids] of a table x [V, C] (no residual); h is then
+    those rows, stored to `residual_out`. No host sync, so it can be captured in a CUDA graph.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
@@ -98,25 +108,33 @@ def rms_norm(
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
+    shape = tuple(x.shape)  # of out and residual_out
+    if row_ids is not None:
+        if residual is not None:
+            raise ValueError("row_ids gathers the input rows: no residual")
+        if row_ids.dim() != 1 or row_ids.dtype != torch.int64 or row_ids.device != x.device:
+            raise ValueError(f"row_ids must be a 1-D int64 tensor on {x.device}")
+        row_ids = row_ids.contiguous()
+        shape = (row_ids.shape[0], x.shape[1])
     if residual is not None:
-        _check_2d("residual", residual, x)
-    store_h = residual is not None or residual_out is not None
+        _check_2d("residual", residual, shape, x.device)
+    store_h = residual is not None or residual_out is not None or row_ids is not None
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if residual_out is None:
-        residual_out = torch.empty_like(x) if residual is not None else x
+        residual_out = torch.empty(shape, dtype=x.dtype, device=x.device) if store_h else x
     for name, t in (("out", out), ("residual_out", residual_out)):
-        _check_2d(name, t, x)
+        _check_2d(name, t, shape, x.device)
         if t.dtype != x.dtype:
             raise TypeError(f"{name} must be {x.dtype}, got {t.dtype}")
-    tokens, c = x.shape
+    tokens, c = shape
     if tokens == 0:
         return out, residual_out
     block_c, rows, num_warps = _launch_shape(c)
     res = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(tokens, rows),)](
-        x, res, weight, out, residual_out,
+        x, res, weight, out, residual_out, row_ids if row_ids is not None else x,
         tokens, c, x.stride(0), res.stride(0), out.stride(0), residual_out.stride(0), float(eps),
-        HAS_RES=residual is not None, STORE_H=store_h, ROWS=rows, BLOCK_C=block_c,
+        HAS_RES=residual is not None, STORE_H=store_h, ROWS=rows, BLOCK_C=block_c, ROW_IDS=row_ids is not None,
         num_warps=num_warps)
     return out, residual_out

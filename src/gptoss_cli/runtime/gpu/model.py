@@ -54,7 +54,7 @@ class GpuModel:
         """Logits [R, V] (activation dtype) for the requested rows."""
         cfg = self.cfg
         eps, layers = cfg.rms_norm_eps, self.w.layers
-        h, residual = rms_norm(self.w.embed[b.tokens], layers[0].attn_norm, eps)
+        h, residual = rms_norm(self.w.embed, layers[0].attn_norm, eps, row_ids=b.tokens)  # embedding + norm
         for n, layer in enumerate(layers):
             x = self._attention(n, layer, h, b)
             moe = (layer.router_w, layer.router_b, layer.experts, cfg.num_experts_per_tok, cfg.swiglu_limit,

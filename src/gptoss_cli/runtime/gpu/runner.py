@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kernels import SamplingRows, choose_num_splits, sample
+from ...kernels import SamplingRows, advance_decode, choose_num_splits, decode_slots, sample
 from .kv_cache import KvCache
 from .model import ForwardBatch, GpuModel
 from .sequence import Sequence
@@ -209,24 +209,17 @@ class Runner:
         return [(b, splits) for b in sorted(self.buckets, reverse=True) for _, splits in reversed(self._tiers[b])]
 
     def _decode_body(self, key: GraphKey) -> None:
-        """The captured step of one graph: forward, sample, advance inputs in place."""
+        """The captured step of one graph: forward, sample, advance inputs in place (the
+        bookkeeping on either side of the forward is one launch each: kernels.decode_step)."""
         b, splits = key
-        bs = self.block_size
         tok, pos, rows, active = self._s_tokens[:b], self._s_positions[:b], self._s_rows[:b], self._s_active[:b]
-        ft = self.kv.full_table.index_select(0, rows)
-        st = self.kv.slide_table.index_select(0, rows)
-        blk = (pos // bs)[:, None]
-        full_slots = ft.gather(1, blk).squeeze(1).long() * bs + pos % bs
-        slide_slots = st.gather(1, blk).squeeze(1).long() * bs + pos % bs
-        seq_lens = ((pos + 1) * active).to(torch.int32)
-        batch = ForwardBatch(tok, pos, full_slots, slide_slots, ft, st, None, True, seq_lens, splits)
+        m = decode_slots(pos, rows, active, self.kv.full_table, self.kv.slide_table, self.block_size)
+        batch = ForwardBatch(tok, pos, m.full_slots, m.slide_slots, m.full_tables, m.slide_tables, None, True,
+                             m.seq_lens, splits)
         logits = self.model.forward(batch)
         s = self._s_sampling
         nxt = sample(logits, *(t[:b] for t in s.args()))
-        self._s_out[:b].copy_(nxt)
-        tok.copy_(nxt)
-        pos.add_(active)
-        s.offsets[:b].add_(active)
+        advance_decode(nxt, self._s_out[:b], tok, pos, s.offsets[:b], active)
 
     def capture(self, max_context: int, progress: Callable[[int, int], None] | None = None) -> None:
         """Warm up (compile) and capture the decode graphs (graph_keys), largest first."""
