@@ -57,11 +57,10 @@ def print_gaps(spans: list[tuple[float, float]], steps: int) -> None:
 
 
 def profile(eng, batch: int, steps: int) -> None:
-    from gptoss_cli.runtime.api import SamplingParams
+    from gpu_check import sampled_params  # same directory: on sys.path when run as a script
 
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=1.0, max_tokens=steps * 3 + 16, ignore_eos=True, seed=1)
-    for _ in range(batch):
+    for params in sampled_params(batch, steps * 3 + 16, 1):  # a seed per request (gpu_check.sampled_params)
         eng.add_request(torch.randint(0, 199998, (128,), generator=g).tolist(), params)
     while True:  # prefill, then a few decode steps to settle
         events = eng.step()
