@@ -6,9 +6,9 @@
 --engine: GpuEngineConfig fields of one more side (B, C, ... in the order given; A is the
 defaults), and MoeConfig fields for decode-sized steps written moe.FIELD=VALUE (pick_config's
 choice for T <= 64, patched while the side's engine captures its graphs and decodes). They shape
-the captured decode graphs, so each side gets its own engine, on fresh
-weights (the engine takes over the tensors it is given), built in turn (A, B, C, A, B, C, ...),
-and each engine times batch-1 decode after a 128-token prompt.
+the captured decode graphs, so each side gets its own engine, on fresh weights (the engine takes
+over the tensors it is given), built in turn (A, B, C, A, B, C, ...), and each engine times
+batch-1 decode after a 128-token prompt.
 --prefill-moe: MoeConfig fields for steps of more than 64 tokens (e.g. scale_words=1). Prompt
 steps run eagerly, so the defaults and these fields alternate on side A's engines: TTFT of a
 4,096-token prompt, each time a new prompt (no prefix-cache hits).
@@ -94,13 +94,13 @@ def main() -> int:
 
     sides = {"A": ({}, {})} | {chr(ord("B") + i): _side(opts) for i, opts in enumerate(args.engine)}
     prefill = MoePatch(moe_fields(args.prefill_moe, "--prefill-moe"), range(DECODE_TOKENS + 1, 1 << 30))
+    decode_moe = MoePatch({}, range(1, DECODE_TOKENS + 1))  # a side's fields while its graphs are captured
     decode = {side: [] for side in sides}
     ttft = {"defaults": [], "fields": []}
     seed = 1000
     for rnd in range(args.rounds):
         for side, (options, moe_changes) in sides.items():
-            decode_moe = MoePatch(moe_changes, range(1, DECODE_TOKENS + 1))  # graphs capture its choice
-            decode_moe.on = True
+            decode_moe.changes, decode_moe.on = moe_changes, True
             eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=1, **options)
             decode[side].append(_bench_engine(f"{side} round {rnd}", eng, 1, 128, 256))
             decode_moe.on = False

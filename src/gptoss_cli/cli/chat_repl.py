@@ -369,7 +369,7 @@ def run_repl(ui: Ui, session: ChatSession, renderer: ChatRenderer, history_file:
                 unsent = outcome.text
                 if interrupt_pending(prompt.app.input):
                     # Ctrl+C right after Enter, before the terminal raised it as SIGINT (chat_keys.py)
-                    session.retry_text, unsent = unsent, None
+                    session.retry_text = unsent
                     renderer.interrupted()
                 else:
                     send(renderer, outcome.text)  # from here on the turn keeps the message itself

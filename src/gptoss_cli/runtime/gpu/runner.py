@@ -3,11 +3,12 @@
 Two paths. Eager: any mix of prefill chunks and decode tokens, metadata built on the host and
 copied once. Graph: steps where every sequence has one pending token replay a decode graph
 captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
-(block 0) and produce nothing. With short_context_graphs a bucket has a second graph for contexts
-of at most SHORT_CONTEXT keys, captured with one attention split (no reduce launch per full layer;
-the split count is a static launch shape, so it takes its own graph). Inside the graph the sampled tokens become the next step's
-inputs and positions advance, so a steady decode step only copies changed block-table entries
-in and the sampled ids out (the one host sync per step). `launch_decode_graph` / `collect` split
+(block 0) and produce nothing. With short_context_graphs a bucket has a second graph for
+contexts of at most SHORT_CONTEXT keys, captured with one attention split (no reduce launch per
+full layer; the split count is a static launch shape, so it takes its own graph). Inside the
+graph the sampled tokens become the next step's inputs and positions advance
+(kernels.decode_step), so a steady decode step only copies changed block-table entries in and
+the sampled ids out (the one host sync per step). `launch_decode_graph` / `collect` split
 that step so the engine can queue the next replay before reading the ids (overlap_steps).
 """
 
