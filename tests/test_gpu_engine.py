@@ -177,3 +177,19 @@ def test_short_context_graphs_pick_their_tier_and_match_reference(ref, monkeypat
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
     want = (1, tiers[0 if tier == "short" else 1][1])
     assert keys and all(k == want for k in keys)
+
+
+def test_gemv_topk_batch1_decode_matches_reference(ref, monkeypatch):
+    # MoeConfig.gemv_topk (off by default until measured): batch-1 decode with the top-k taken in
+    # gemv1 from the router launch's logits, through the graph path, equals the reference.
+    import dataclasses
+
+    from gptoss_cli.kernels import moe
+
+    pick = moe.pick_config
+    monkeypatch.setattr(moe, "pick_config",
+                        lambda t, e, k: dataclasses.replace(pick(t, e, k), gemv_topk=True) if t == 1 else pick(t, e, k))
+    eng = _graph_engine(max_batch=1)
+    prompt = _prompt(9, 47)
+    assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
+    assert eng.runner._graph_seqs is not None

@@ -141,16 +141,19 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_w
             raise RuntimeError(f"{name}: scale_words={scale_words} but byte-wide global loads: {byte_loads}")
 
 
-def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4):
+def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
+          experts: int = 0):
+    """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk)."""
     from gptoss_cli.kernels import moe_gemv as mg
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
                 "topk_ids_ptr": "*i32"}
     if which == "gemv1":
-        pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
+        pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
+        logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
         return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
-                            num_warps)
+                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
+                             **logits}, num_warps)
     pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
     return compile_sm90(mg._gemv2_kernel, pointers,
                         {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
@@ -219,7 +222,7 @@ def _qkv_rope():
     _no_spills(kernel, "the fused qkv + rope")
 
 
-def _router_topk(tokens: int, experts: int, norm: bool = False):
+def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = True):
     import triton
 
     from gptoss_cli.kernels import moe_router as mr
@@ -230,7 +233,7 @@ def _router_topk(tokens: int, experts: int, norm: bool = False):
     block_t = triton.next_power_of_2(tokens)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
                   "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm,
-                  "ONE_STEP": block_t == 1, "PDL": True}
+                  "ONE_STEP": block_t == 1, "PDL": True, "TOPK": topk}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
@@ -258,12 +261,15 @@ CASES = {
     "router-topk-4-tokens-128-experts": lambda: _router_topk(4, 128),
     "router-topk-norm-1-token": lambda: _router_topk(1, 32, norm=True),
     "router-topk-norm-4-tokens": lambda: _router_topk(4, 32, norm=True),
+    "router-logits-norm-1-token": lambda: _router_topk(1, 32, norm=True, topk=False),
     "combine-norm-1-token": _combine_norm,
     "rope-store-kv": _rope_store,
     "row-linear-2x4": lambda: _row_linear(2, 4),
     "qkv-rope-store": _qkv_rope,
     "row-linear-4x8": lambda: _row_linear(4, 8),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
+    "gemv1-f16-topk-32-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32),
+    "gemv1-f16-topk-128-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=128),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
 }
 

@@ -337,6 +337,46 @@ def test_gemv_forward_skips_the_sort(device):
     assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "gemv forward vs moe_ref")
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 32, 4), (3, 5, 2), (4, 128, 4)])
+def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
+    # MoeConfig.gemv_topk: the router launch stops at the logits and gemv1 takes the top-k. The
+    # experts must be the router's own; the weights bit for bit under the interpreter, and on a GPU
+    # within the last bit (the two kernels may sum the 4 exponentials in another order).
+    hidden, inter = 64, 96
+    raw = _raw_weights(experts, hidden, inter, device)
+    w = prepare_moe_weights(*raw)
+    x = torch.randn(tokens, hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    config = dataclasses.replace(GEMV, fused_router=True)
+    want_r = moe_router.route_tokens(x, rw, rb, top_k, config.block_m, sort=False)
+    scratch = moe_router.RouterScratch.allocate(experts, device)
+    got_r = moe_router.route_tokens(x, rw, rb, top_k, config.block_m, sort=False, scratch=scratch, topk=False)
+    got_r.topk_ids.fill_(-1)
+    act = moe_gemv1_swiglu(x, got_r, w, 7.0, 1.702, config, logits=scratch.logits)
+    exact = device == "cpu"
+    assert torch.equal(got_r.topk_ids, want_r.topk_ids)
+    assert torch.equal(act, moe_gemv1_swiglu(x, want_r, w, 7.0, 1.702, config))
+    late = moe_forward(x, rw, rb, w, top_k, config=dataclasses.replace(config, gemv_topk=True))
+    early = moe_forward(x, rw, rb, w, top_k, config=config)
+    if exact:
+        assert torch.equal(got_r.topk_weights, want_r.topk_weights) and torch.equal(late, early)
+    else:
+        assert_close(got_r.topk_weights, want_r.topk_weights, 1e-6, "routing weights")
+        assert_close(late, early, 1e-6, "late vs early top-k")
+    assert_close(late, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "late top-k vs moe_ref")
+
+
+def test_gemv_topk_arguments_are_checked(device):
+    x = torch.randn(1, 32, device=device)
+    with pytest.raises(ValueError, match="nothing to sort"):
+        moe_router.route_tokens(x, torch.randn(4, 32, device=device), torch.randn(4, device=device), 2, 16, topk=False)
+    w = prepare_moe_weights(*_raw_weights(4, 64, 64, device))
+    r = route(torch.randn(1, 4, device=device), 2, 16, sort=False)
+    with pytest.raises(ValueError, match="logits"):
+        moe_gemv1_swiglu(torch.randn(1, 64, device=device), r, w, 7.0, 1.702, GEMV,
+                         logits=torch.randn(1, 5, device=device))
+
+
 def test_gemv_rejects_a_tiled_config(device):
     w = prepare_moe_weights(*_raw_weights(4, 64, 64, device))
     r = route(torch.randn(1, 4, device=device), 2, 16)

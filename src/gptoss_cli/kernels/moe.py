@@ -227,11 +227,14 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
     num_tokens, dt = x.shape[0], x.dtype
     cfg = config or pick_config(num_tokens, w.num_experts, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
+    late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):
+        scratch = workspace.router if workspace else moe_router.RouterScratch.allocate(w.num_experts, x.device)
+        late_topk = cfg.gemv and cfg.gemv_topk
         with record_function("moe.router+route"):
             routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
-                                              sort=not cfg.gemv, scratch=workspace.router if workspace else None,
-                                              norm=norm)
+                                              sort=not cfg.gemv, scratch=scratch, norm=norm, topk=not late_topk)
+        late_logits = scratch.logits if late_topk else None
         x = x if norm is None else norm.out
     else:
         with record_function("moe.router"):
@@ -239,9 +242,12 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             logits = router_logits(x, router_weight, router_bias)
         with record_function("moe.route"):
             routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
-    gemm1, gemm2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
+    gemm2 = moe_gemv2 if cfg.gemv else moe_gemm2
     with record_function("moe.w1+swiglu"):
-        act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
+        if cfg.gemv:
+            act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits)
+        else:
+            act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
         y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)

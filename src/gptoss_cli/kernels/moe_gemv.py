@@ -36,7 +36,7 @@ from .moe_matmul import (
     _out_buffer,
     _swiglu,
 )
-from .moe_routing import MoeRouting
+from .moe_routing import MoeRouting, topk_softmax_row
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
@@ -213,14 +213,40 @@ def _slot_expert(topk_ids_ptr):
 
 
 @triton.jit
+def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_experts, TOP_K: tl.constexpr,
+                             BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_slot_expert with the routing done here (moe_routing.topk_softmax_row on the token's router
+    logits); the slot's first column-block program stores it as the routing's top-k tensors for
+    the launches after."""
+    slot = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    # .cg: the same scratch held the previous layer's logits; this SM's L1 may still have them.
+    row = tl.load(logits_ptr + (slot // TOP_K) * stride_lt + cols, mask=col_ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    probs, ids = topk_softmax_row(row, cols, col_ok, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
+    mine = tl.arange(0, BLOCK_TK) == slot % TOP_K
+    expert = tl.sum(tl.where(mine, ids, 0))
+    if tl.program_id(1) == 0:
+        tl.store(ids_ptr + slot, expert.to(ids_ptr.dtype.element_ty))
+        tl.store(weights_ptr + slot, tl.sum(tl.where(mine, probs, 0.0)))
+    return slot, expert.to(tl.int64)
+
+
+@triton.jit
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
+    logits_ptr, stride_lt, topk_weights_ptr, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
-    wait_for_previous(PDL)  # the routing comes from the launch just before
-    slot, expert = _slot_expert(topk_ids_ptr)
+    wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
+    if LOGITS:
+        slot, expert = _slot_expert_from_logits(logits_ptr, stride_lt, topk_ids_ptr, topk_weights_ptr, num_experts,
+                                                TOP_K, BLOCK_TK, BLOCK_E)
+    else:
+        slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
@@ -273,17 +299,29 @@ def _launch_options(config: MoeConfig, a: torch.Tensor) -> dict:
 
 def moe_gemv1_swiglu(
     x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float, config: MoeConfig,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows)."""
+    """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows).
+    logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them): the top-k and
+    softmax are taken here and stored in routing.topk_ids / topk_weights, saving the router
+    launch its arrival counter and serial top-k tail."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
+    extra = {}
+    if logits is not None:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] < routing.num_tokens \
+                or logits.shape[1] != w.num_experts or logits.stride(1) != 1:
+            raise ValueError(f"logits must be fp32 [>= {routing.num_tokens}, {w.num_experts}], contiguous rows")
+        extra = {"LOGITS": True, "BLOCK_TK": triton.next_power_of_2(routing.top_k),
+                 "BLOCK_E": triton.next_power_of_2(w.num_experts)}
+    lg = logits if logits is not None else x  # placeholder: not read without LOGITS
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
-        act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate,
-        float(limit), float(alpha), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x),
+        act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
+        lg, lg.stride(0), routing.topk_weights, w.num_experts,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x), **extra,
     )  # fmt: skip
     return act
 

@@ -82,6 +82,11 @@ class MoeConfig:
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
+    # gemv with fused_router (T = 1): the router launch stops at the logits, and every gemv1
+    # program takes the top-k and softmax of its token's logits itself (the slot's first program
+    # stores them for gemv2), instead of the router's last program doing it after an arrival
+    # counter: one serial tail off the step's critical path. Off until measured on the H200.
+    gemv_topk: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.

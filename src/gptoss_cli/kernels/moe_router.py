@@ -88,7 +88,7 @@ def _router_split_kernel(
     res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TOPK: tl.constexpr = True,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
@@ -134,6 +134,8 @@ def _router_split_kernel(
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     logits = (acc + bias[None, :]).to(out_dtype).to(tl.float32)
     tl.store(logits_ptr + rows[:, None] * num_experts + es[None, :], logits, mask=row_ok[:, None] & e_ok[None, :])
+    if not TOPK:
+        return  # the next launch takes the top-k from the logits (moe_gemv's gemv1)
     # Every thread's stores precede the arrival (barrier), which releases them at GPU scope; the
     # last program's acquire then sees all rows. Its loads bypass L1 (.cg), which may hold the
     # previous layer's rows of the same scratch.
@@ -163,12 +165,15 @@ class RouterNorm:
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
                  out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
-                 norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS) -> MoeRouting:
+                 norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS,
+                 topk: bool = True) -> MoeRouting:
     """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
     the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
     router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out.
     `group_e` (experts per program, a power of two) and `num_warps` are launch choices
-    (benchmarks/bench_router.py sweeps them)."""
+    (benchmarks/bench_router.py sweeps them). topk=False: only the logits (scratch.logits, fp32,
+    rounded as F.linear's) and the norm; the routing's tensors are left for the next launch to
+    fill (moe_gemv1_swiglu with `logits`), and `sort` must be False."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > MAX_TOKENS:
@@ -187,6 +192,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         inputs = {x.data_ptr(), norm.residual.data_ptr()}
         if norm.out.data_ptr() in inputs or norm.residual_out.data_ptr() in inputs:
             raise ValueError("norm.out / norm.residual_out must not alias x or the residual (other programs read them)")
+    if not topk and sort:
+        raise ValueError("route_tokens(topk=False) leaves the top-k to the next launch: nothing to sort")
     out = routing_buffers(out, num_tokens, num_experts, top_k, block_m, x.device)
     scratch = scratch or RouterScratch.allocate(num_experts, x.device)
     if scratch.logits.shape[1] != num_experts or scratch.logits.device != x.device:
@@ -202,7 +209,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=group_e, BLOCK_C=block_c, NORM=norm is not None,
-        ONE_STEP=block_c >= hidden, num_warps=num_warps, **pdl_launch(pdl_enabled(x)),
+        ONE_STEP=block_c >= hidden, TOPK=topk, num_warps=num_warps, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     if sort:
         sort_slots(out, block_t, 4)
