@@ -8,7 +8,7 @@ defaults), and MoeConfig fields for decode-sized steps written moe.FIELD=VALUE (
 choice for T <= 64, patched while the side's engine captures its graphs and decodes). They shape
 the captured decode graphs, so each side gets its own engine, on fresh weights (the engine takes
 over the tensors it is given), built in turn (A, B, C, A, B, C, ...), and each engine times
-batch-1 decode after a 128-token prompt.
+decode after a 128-token prompt (batch 1, or --batch).
 --prefill-moe: MoeConfig fields for steps of more than 64 tokens (e.g. scale_words=1). Prompt
 steps run eagerly, so the defaults and these fields alternate on side A's engines: TTFT of a
 4,096-token prompt, each time a new prompt (no prefix-cache hits).
@@ -84,6 +84,7 @@ def main() -> int:
     parser.add_argument("--engine", nargs="*", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--prefill-moe", nargs="*", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="decode batch (each request its own seed)")
     parser.add_argument("--prompt", type=int, default=4096, help="TTFT prompt length")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -101,8 +102,8 @@ def main() -> int:
     for rnd in range(args.rounds):
         for side, (options, moe_changes) in sides.items():
             decode_moe.changes, decode_moe.on = moe_changes, True
-            eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=1, **options)
-            decode[side].append(_bench_engine(f"{side} round {rnd}", eng, 1, 128, 256))
+            eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=args.batch, **options)
+            decode[side].append(_bench_engine(f"{side} round {rnd}", eng, args.batch, 128, 256))
             decode_moe.on = False
             if prefill.changes and side == "A":
                 seed = _prefill_rounds(eng, prefill, args.prompt, seed, ttft, f"{side} round {rnd}")
@@ -110,7 +111,7 @@ def main() -> int:
             _release()
     print()
     for side, options in sides.items():
-        print(f"{side} ({_describe(options)}): batch-1 decode median {statistics.median(decode[side]):,.1f} tok/s "
+        print(f"{side} ({_describe(options)}): batch-{args.batch} decode median {statistics.median(decode[side]):,.1f} tok/s "
               f"over {decode[side]}")
     for which, times in ttft.items():
         if times:
