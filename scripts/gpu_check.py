@@ -13,6 +13,7 @@ Sections (default: all, in this order):
   bench20b  engine decode/prefill benchmarks on random:20b (+ transformers side by side)
   tput      only bench20b's 256-request throughput run (not in the default list)
   e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
+  cli       the product's own `gptoss bench` on random:20b and random:120b, batch 1 and 64
 Full results go to DIR/gpu_check.json (DIR defaults to $OUT or /tmp).
 """
 
@@ -353,6 +354,26 @@ def section_bench20b(args) -> None:
     _throughput("bench20b", random_weights("20b", device="cuda"), 256, 1024, 1024)
 
 
+def section_cli(args) -> None:
+    """`gptoss bench MODEL --batch 1,64` as a user runs it (a process of its own, a seed per
+    request); the rows come from its --json report."""
+    for model in ("random:20b", "random:120b"):
+        report = Path(args.out) / f"gptoss_bench_{model.split(':')[1]}.json"
+        t = time.time()
+        proc = subprocess.run([sys.executable, "-m", "gptoss_cli", "bench", model, "--batch", "1,64", "--json",
+                               str(report)], capture_output=True, text=True, check=False,
+                              env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "src")})
+        if proc.returncode:
+            print(proc.stderr[-3000:])
+            row("cli", f"gptoss bench {model}", f"rc={proc.returncode} {time.time() - t:.0f}s")
+            continue
+        for r in json.loads(report.read_text())["results"]:
+            roof = r["roofline_fraction"]
+            row("cli", f"gptoss bench {model} batch {r['batch_size']}",
+                f"TPOT p50 {r['median_tpot_ms']:.2f} ms, {r['output_throughput']:,.0f} out tok/s, "
+                f"TTFT p50 {r['median_ttft_ms']:.1f} ms, roofline {'-' if roof is None else f'{100 * roof:.1f} %'}")
+
+
 def section_tput(args) -> None:
     """Only the 256-request throughput run of bench20b."""
     from gptoss_cli.runtime.random_checkpoint import random_weights
@@ -451,7 +472,8 @@ def section_e120b(args) -> None:
 
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
             "load": section_load, "profile": section_profile,
-            "e20b": section_e20b, "bench20b": section_bench20b, "tput": section_tput, "e120b": section_e120b}
+            "e20b": section_e20b, "bench20b": section_bench20b, "tput": section_tput, "e120b": section_e120b,
+            "cli": section_cli}
 
 
 def main() -> int:
