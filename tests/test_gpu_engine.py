@@ -7,7 +7,6 @@ import torch
 
 from gptoss_cli.runtime.api import SamplingParams
 from gptoss_cli.runtime.gpu import model as gpu_model
-from gptoss_cli.runtime.gpu import runner as runner_mod
 from gptoss_cli.runtime.gpu.engine import GpuEngine
 from gptoss_cli.runtime.gpu.kv_cache import sliding_blocks_needed
 from gptoss_cli.runtime.model_ref import ReferenceModel
@@ -119,12 +118,11 @@ class _EagerGraph:
     """On a CPU, a decode "graph" whose replay runs the captured body eagerly: the same static
     buffers and in-place token feedback as a CUDA graph, so the graph and overlap paths run."""
 
-    def __init__(self, runner, key):
-        self.runner, self.key = runner, key
+    def __init__(self, runner, bucket):
+        self.runner, self.bucket = runner, bucket
 
     def replay(self):
-        self.runner.replayed.append(self.key)
-        self.runner._decode_body(self.key)
+        self.runner._decode_body(self.bucket)
 
 
 def _graph_engine(**opts):
@@ -132,8 +130,7 @@ def _graph_engine(**opts):
     eng = _engine(**opts)
     if DEVICE == "cpu":
         eng.runner.use_graphs = True
-        eng.runner._graphs = {key: _EagerGraph(eng.runner, key) for key in eng.runner.graph_keys()}
-        eng.runner.replayed = []
+        eng.runner._graphs = {b: _EagerGraph(eng.runner, b) for b in eng.runner.buckets}
     return eng
 
 
@@ -161,22 +158,13 @@ def test_fused_qkv_rope_batch1_decode_matches_reference(ref, monkeypatch):
     assert len(calls) >= eng.config.num_hidden_layers  # every layer of a decode step (or its capture)
 
 
-@pytest.mark.parametrize("tier", ["short", "long"])
-def test_short_context_graphs_pick_their_tier_and_match_reference(ref, monkeypatch, tier):
-    # max_context 1,024: the bucket of one has a one-split graph for contexts <= 512 keys and a
-    # two-split graph (split partials + reduce) beyond; a large margin sends this short prompt to
-    # the second, so both captured bodies are checked against the reference.
-    if tier == "long":
-        monkeypatch.setattr(runner_mod, "CONTEXT_MARGIN", 1000)
-    eng = _graph_engine(short_context_graphs=True, max_batch=1, max_context=1024)
-    tiers = eng.runner._tiers[1]
-    assert [splits[0] for _, splits in tiers] == [1, 2]
-    keys, pick = [], eng.runner.graph_key
-    monkeypatch.setattr(eng.runner, "graph_key", lambda seqs: keys.append(pick(seqs)) or keys[-1])
+def test_split_decode_attention_in_the_graph_matches_reference(ref):
+    # max_context 1,024: the bucket of one decodes its full-attention layers with two splits and
+    # the reduce launch (at 512 every split count is one), through the graph path.
+    eng = _graph_engine(max_batch=1, max_context=1024)
+    assert eng.runner._splits[1][0] == 2
     prompt = _prompt(9, 43)
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
-    want = (1, tiers[0 if tier == "short" else 1][1])
-    assert keys and all(k == want for k in keys)
 
 
 def test_gemv_topk_batch1_decode_matches_reference(ref, monkeypatch):

@@ -46,10 +46,6 @@ class GpuEngineConfig:
     # cache (kernels.qkv_rope), one launch less per layer. H200, 20b batch 1: 539 -> 552 tok/s
     # (docs/performance.md, session 11).
     fused_qkv_rope: bool = True
-    # Decode graphs for contexts of at most runner.SHORT_CONTEXT keys with one attention split
-    # (no reduce launch in the full-attention layers). Off: it doubles the graph captures of the
-    # small buckets for +0.3-0.5 % at batch 1 (H200, 20b: 539 -> 541 tok/s, session 11).
-    short_context_graphs: bool = False
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
@@ -85,8 +81,7 @@ class GpuEngine(Engine):
         on_cuda = torch.device(device).type == "cuda"
         model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
                          opts.fused_qkv_rope)
-        self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs,
-                             short_context_graphs=opts.short_context_graphs)
+        self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes
         self.num_steps = 0

@@ -3,13 +3,11 @@
 Two paths. Eager: any mix of prefill chunks and decode tokens, metadata built on the host and
 copied once. Graph: steps where every sequence has one pending token replay a decode graph
 captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
-(block 0) and produce nothing. With short_context_graphs a bucket has a second graph for
-contexts of at most SHORT_CONTEXT keys, captured with one attention split (no reduce launch per
-full layer; the split count is a static launch shape, so it takes its own graph). Inside the
-graph the sampled tokens become the next step's inputs and positions advance
-(kernels.decode_step), so a steady decode step only copies changed block-table entries in and
-the sampled ids out (the one host sync per step). `launch_decode_graph` / `collect` split
-that step so the engine can queue the next replay before reading the ids (overlap_steps).
+(block 0) and produce nothing. Inside the graph the sampled tokens become the next step's
+inputs and positions advance (kernels.decode_step), so a steady decode step only copies changed
+block-table entries in and the sampled ids out (the one host sync per step).
+`launch_decode_graph` / `collect` split that step so the engine can queue the next replay before
+reading the ids (overlap_steps).
 """
 
 from __future__ import annotations
@@ -26,26 +24,6 @@ from .model import ForwardBatch, GpuModel
 from .sequence import Sequence
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-# Up to this many keys, any split count puts every key in split 0 (decode_attention's smallest
-# chunk is 512 keys), so one split streams the same keys and skips the reduce.
-SHORT_CONTEXT = 512
-# Keys a sequence may gain between the host's count and the replay: the pending token, and one
-# step queued ahead by overlap_steps. A late switch costs only speed: any split count is exact.
-CONTEXT_MARGIN = 2
-
-GraphKey = tuple[int, tuple[int, int]]  # (bucket, (full-layer splits, sliding-layer splits))
-
-
-def decode_tiers(batch: int, num_kv_heads: int, window: int, max_context: int, num_sms: int,
-                 short: bool) -> list[tuple[int, tuple[int, int]]]:
-    """(longest context, attention splits) of each decode graph of one bucket, shortest first."""
-    slide = choose_num_splits(batch, num_kv_heads, window, num_sms)
-    tiers = [(max_context, (choose_num_splits(batch, num_kv_heads, max_context, num_sms), slide))]
-    if short and SHORT_CONTEXT < max_context:
-        splits = (choose_num_splits(batch, num_kv_heads, SHORT_CONTEXT, num_sms), slide)
-        if splits != tiers[0][1]:
-            tiers.insert(0, (SHORT_CONTEXT, splits))
-    return tiers
 
 
 def _sampling_host(seqs: list[Sequence]) -> list[np.ndarray]:
@@ -65,7 +43,7 @@ class DecodeLaunch:
 
 class Runner:
     def __init__(self, model: GpuModel, kv: KvCache, max_batch: int, use_graphs: bool = True,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, short_context_graphs: bool = False):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         self.model = model
         self.kv = kv
         self.block_size = kv.plan.block_size
@@ -73,9 +51,7 @@ class Runner:
         self.max_batch = max_batch
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        self.short_context_graphs = short_context_graphs
-        self._tiers: dict[int, list[tuple[int, tuple[int, int]]]] = {}  # per bucket, set by capture
-        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_seqs: list[Sequence] | None = None  # batch the static buffers describe
         self._alloc_static()
 
@@ -153,7 +129,8 @@ class Runner:
         next replay may be queued before they are read (`collect`)."""
         if not self.holds(seqs):
             self._load_static(seqs)
-        self._graphs[self.graph_key(seqs)].replay()
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        self._graphs[bucket].replay()
         self._out_slot ^= 1  # two host buffers: the previous launch's ids may still be unread
         host, done = self._host_out[self._out_slot][: len(seqs)], self._out_done[self._out_slot]
         host.copy_(self._s_out[: len(seqs)], non_blocking=True)
@@ -198,53 +175,41 @@ class Runner:
             dst.copy_(torch.from_numpy(pad(src, fill)), non_blocking=True)
         self._graph_seqs = list(seqs)
 
-    def graph_key(self, seqs: list[Sequence]) -> GraphKey:
-        """The graph for this batch: its bucket, and the shortest context tier that holds it."""
-        bucket = next(b for b in self.buckets if b >= len(seqs))
-        context = max(s.num_computed for s in seqs) + CONTEXT_MARGIN
-        tiers = self._tiers[bucket]
-        return bucket, next((splits for limit, splits in tiers if context <= limit), tiers[-1][1])
-
-    def graph_keys(self) -> list[GraphKey]:
-        """Every decode graph capture makes, largest first."""
-        return [(b, splits) for b in sorted(self.buckets, reverse=True) for _, splits in reversed(self._tiers[b])]
-
-    def _decode_body(self, key: GraphKey) -> None:
-        """The captured step of one graph: forward, sample, advance inputs in place (the
+    def _decode_body(self, b: int) -> None:
+        """The captured step for bucket b: forward, sample, advance inputs in place (the
         bookkeeping on either side of the forward is one launch each: kernels.decode_step)."""
-        b, splits = key
         tok, pos, rows, active = self._s_tokens[:b], self._s_positions[:b], self._s_rows[:b], self._s_active[:b]
         m = decode_slots(pos, rows, active, self.kv.full_table, self.kv.slide_table, self.block_size)
         batch = ForwardBatch(tok, pos, m.full_slots, m.slide_slots, m.full_tables, m.slide_tables, None, True,
-                             m.seq_lens, splits)
+                             m.seq_lens, self._splits[b])
         logits = self.model.forward(batch)
         s = self._s_sampling
         nxt = sample(logits, *(t[:b] for t in s.args()))
         advance_decode(nxt, self._s_out[:b], tok, pos, s.offsets[:b], active)
 
     def capture(self, max_context: int, progress: Callable[[int, int], None] | None = None) -> None:
-        """Warm up (compile) and capture the decode graphs (graph_keys), largest first."""
+        """Warm up (compile) and capture one decode graph per bucket, largest first."""
         cfg = self.model.cfg
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
-        self._tiers = {b: decode_tiers(b, cfg.num_key_value_heads, cfg.sliding_window, max_context, sms,
-                                       self.short_context_graphs) for b in self.buckets}
+        self._splits = {b: (choose_num_splits(b, cfg.num_key_value_heads, max_context, sms),
+                            choose_num_splits(b, cfg.num_key_value_heads, cfg.sliding_window, sms))
+                        for b in self.buckets}
         if not self.use_graphs:
             return
         self._load_static([])
         pool = None
-        keys = self.graph_keys()
-        for i, key in enumerate(keys):
+        for i, b in enumerate(sorted(self.buckets, reverse=True)):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._decode_body(key)  # compiles kernels for this shape outside the capture
+                self._decode_body(b)  # compiles kernels for this shape outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._decode_body(key)
+                self._decode_body(b)
             pool = graph.pool()
-            self._graphs[key] = graph
+            self._graphs[b] = graph
             if progress:
-                progress(i + 1, len(keys))
+                progress(i + 1, len(self.buckets))
         self._load_static([])
         self._graph_seqs = None
