@@ -105,11 +105,12 @@ class _Setup:
     touched: int  # distinct experts the routing uses
 
 
-def _setup(case: Case, device: str) -> _Setup:
+def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     from gptoss_cli.kernels.moe import MoeWorkspace, pick_config, prepare_moe_weights
     from gptoss_cli.kernels.moe_routing import route
 
     dt, t, k, c = torch.bfloat16, case.tokens, case.top_k, case.hidden
+    torch.manual_seed(0)  # the same routing (and bytes) in every run, so runs compare
     x = torch.randn(t, c, device=device).to(dt)
     rw = (torch.randn(case.experts, c, device=device) / c**0.5).to(dt)
     rb = torch.randn(case.experts, device=device).to(dt)
@@ -118,7 +119,8 @@ def _setup(case: Case, device: str) -> _Setup:
     touched = int(torch.unique(routing.topk_ids).numel())  # host sync, outside every timing
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
-    weights = [prepare_moe_weights(*_random_layer(case, device)) for _ in range(layers)]
+    grouping = {} if row_group is None else {"row_group": row_group}
+    weights = [prepare_moe_weights(*_random_layer(case, device), **grouping) for _ in range(layers)]
     return _Setup(
         case, x, rw, rb, logits, routing, weights, MoeWorkspace.allocate(t, weights[0], k, dt, device),
         act=torch.empty(t * k, case.inter, dtype=dt, device=device),
@@ -157,6 +159,12 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "f16-n2-16": {"block_n2": 16},  # session 4-5's gemm2 default
     "f16-n1-8": {"block_n1": 8},
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
+    # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
+    # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
+    "k128": {"block_k": 128},
+    "k256": {"block_k": 256},
+    "n32-k128": {"block_n1": 32, "block_n2": 32, "block_k": 128},
+    "f16-n2-32": {"block_n2": 32},
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
@@ -221,12 +229,12 @@ def _measure(case: Case, kernel: str, variant: str, cfg, fn, layers: int, nbytes
         return {**_row(case, kernel, variant, cfg.regime, math.nan, nbytes, flops), "error": repr(exc)[:200]}
 
 
-def _bench_case(case: Case, device: str, variants: list[str]) -> list[dict]:
+def _bench_case(case: Case, device: str, variants: list[str], row_group: int | None = None) -> list[dict]:
     from gptoss_cli.kernels.moe import pick_config
     from gptoss_cli.kernels.moe_matmul import moe_combine
     from gptoss_cli.kernels.moe_routing import route
 
-    st = _setup(case, device)
+    st = _setup(case, device, row_group)
     base = pick_config(case.tokens, case.experts, case.top_k)
     slots, c = case.tokens * case.top_k, case.hidden
 
@@ -264,15 +272,18 @@ def sweep(device: str = "cuda", smoke: bool = False) -> list[dict]:
     return rows
 
 
-def bench(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None) -> list[dict]:
+def bench(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None,
+          variants: list[str] | None = None, row_group: int | None = None) -> list[dict]:
     """One row per (case, kernel, variant); see _row for the fields. `smoke`: tiny shapes; `tokens`:
-    only the cases with these token counts."""
-    variants = ["fp32deq", "gemv"] if device == "cpu" else []  # [] = VARIANTS_BY_TOKENS
+    only the cases with these token counts; `variants`: these instead of VARIANTS_BY_TOKENS;
+    `row_group`: the weights' MoeWeights.row_group (None: prepare_moe_weights' default)."""
+    if not variants:
+        variants = ["fp32deq", "gemv"] if device == "cpu" else []  # [] = VARIANTS_BY_TOKENS
     rows = []
     for case in SMOKE_CASES if smoke else CASES:
         if tokens and case.tokens not in tokens:
             continue
-        rows += _bench_case(case, device, variants)
+        rows += _bench_case(case, device, variants, row_group)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -302,13 +313,15 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also sweep group-dot tile settings at decode")
     parser.add_argument("--tokens", type=int, nargs="+", help="only the cases with these token counts")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="these variants for every case")
+    parser.add_argument("--row-group", type=int, help="MoeWeights.row_group of the weights (default: the kernels')")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported (inside bench)
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --smoke for the CPU code path")
     device = "cpu" if args.smoke else "cuda"
-    print_table(bench(device, smoke=args.smoke, tokens=args.tokens))
+    print_table(bench(device, smoke=args.smoke, tokens=args.tokens, variants=args.variants, row_group=args.row_group))
     if args.sweep:
         print()
         print_table(sweep(device, smoke=args.smoke))

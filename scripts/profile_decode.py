@@ -99,13 +99,24 @@ def profile(eng, batch: int, steps: int) -> None:
         print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")
 
 
-def engine_options(pairs: list[str]) -> dict[str, bool | int]:
-    """GpuEngineConfig fields from FIELD=VALUE pairs (0/1/true/false: bool, otherwise int)."""
+def engine_options(pairs: list[str]) -> dict[str, bool | int | str]:
+    """GpuEngineConfig fields from FIELD=VALUE pairs, typed by the dataclass (so moe_row_group=1
+    is the int 1, fused_qkv_rope=1 the bool True)."""
+    import dataclasses
+
+    from gptoss_cli.runtime.gpu.engine import GpuEngineConfig
+
+    fields = {f.name: str(f.type) for f in dataclasses.fields(GpuEngineConfig)}  # annotations are strings
     options = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        low = value.lower()
-        options[name] = low in ("1", "true") if low in ("0", "1", "true", "false") else int(value)
+        if name not in fields:
+            raise SystemExit(f"unknown GpuEngineConfig field {name!r} (fields: {', '.join(fields)})")
+        kind = fields[name]
+        if kind.startswith("bool"):
+            options[name] = value.lower() in ("1", "true")
+        else:
+            options[name] = int(value) if "int" in kind else float(value) if "float" in kind else value
     return options
 
 

@@ -167,16 +167,18 @@ def test_split_decode_attention_in_the_graph_matches_reference(ref):
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
 
 
-def test_gemv_topk_batch1_decode_matches_reference(ref, monkeypatch):
-    # MoeConfig.gemv_topk (off by default until measured): batch-1 decode with the top-k taken in
-    # gemv1 from the router launch's logits, through the graph path, equals the reference.
+def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
+    # pick_config takes the top-k in gemv1 at T = 1 (MoeConfig.gemv_topk); the router's own top-k
+    # (its arrival counter and serial tail) stays a supported path: batch-1 decode through the
+    # graph path with it equals the reference too.
     import dataclasses
 
     from gptoss_cli.kernels import moe
 
     pick = moe.pick_config
+    assert pick(1, 32, 4).gemv_topk
     monkeypatch.setattr(moe, "pick_config",
-                        lambda t, e, k: dataclasses.replace(pick(t, e, k), gemv_topk=True) if t == 1 else pick(t, e, k))
+                        lambda t, e, k: dataclasses.replace(pick(t, e, k), gemv_topk=False) if t == 1 else pick(t, e, k))
     eng = _graph_engine(max_batch=1)
     prompt = _prompt(9, 47)
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)

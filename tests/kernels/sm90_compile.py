@@ -101,7 +101,7 @@ def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
               "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd",
-              "SCALE_WORDS": False}
+              "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "SUB_M": 1}, maxnreg=maxnreg)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
@@ -128,7 +128,8 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_w
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "SCALE_WORDS": scale_words}
+              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "SCALE_WORDS": scale_words,
+              "ROW_GROUP": mm.ROW_GROUP}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
                                 "SUB_M": max(1, block_m // 128)},
@@ -143,21 +144,27 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_w
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
           experts: int = 0):
-    """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk)."""
+    """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk). The
+    weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group)."""
     from gptoss_cli.kernels import moe_gemv as mg
+    from gptoss_cli.kernels.moe_matmul import ROW_GROUP
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
                 "topk_ids_ptr": "*i32"}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
-        return compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                            {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
-                             **logits}, num_warps)
-    pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-    return compile_sm90(mg._gemv2_kernel, pointers,
-                        {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True},
-                        num_warps)
+        kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers,
+                              {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16,
+                               "PDL": True, "ROW_GROUP": ROW_GROUP, **logits}, num_warps)
+    else:
+        pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
+        kernel = compile_sm90(mg._gemv2_kernel, pointers,
+                              {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
+                               "ROW_GROUP": ROW_GROUP}, num_warps)
+    if "LDG.E.128" not in sass(kernel):
+        raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
+    return kernel
 
 
 def _decode_step():

@@ -25,6 +25,7 @@ from gptoss_cli.kernels.moe import (
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
     FOLD_MAX_SCALE,
+    checkpoint_blocks,
     expert_weight,
     moe_combine,
     moe_combine_norm,
@@ -171,14 +172,43 @@ def test_route_rejects_bad_arguments():
 # --- weights and matmul stages -------------------------------------------------------------------
 
 
-def test_prepare_keeps_the_packed_bytes(device):
+@pytest.mark.parametrize("row_group", [1, 8, 32])
+def test_prepare_keeps_the_packed_bytes(device, row_group):
     raw = _raw_weights(3, 64, 96, device, scale_lo=1, scale_hi=241)
-    w = prepare_moe_weights(*raw)
+    w = prepare_moe_weights(*raw, row_group=row_group)
+    assert w.row_group == row_group
     assert w.w1_blocks.dtype == torch.uint8 and w.w1_blocks.numel() == raw[0].numel()
     assert (w.num_experts, w.hidden, w.intermediate) == (3, 64, 96)
     for e in range(3):
+        assert torch.equal(checkpoint_blocks(w.w1_blocks, w.w1_scales, e), raw[0][e])
+        assert torch.equal(checkpoint_blocks(w.w2_blocks, w.w2_scales, e), raw[3][e])
         assert torch.equal(expert_weight(w.w1_blocks, w.w1_scales, e), dequantize_mxfp4(raw[0][e], raw[1][e]))
         assert torch.equal(expert_weight(w.w2_blocks, w.w2_scales, e), dequantize_mxfp4(raw[3][e], raw[4][e]))
+    if row_group > 1:  # block column 1 of row 0 follows block column 0 of the group's last row
+        assert torch.equal(w.w2_blocks[0, 0, row_group * 16:(row_group + 1) * 16], raw[3][0, 0, 1])
+
+
+def test_prepare_row_group_falls_back_and_checks():
+    raw = _raw_weights(2, 96, 32, "cpu")  # 96 hidden rows: a multiple of 32 (as every K is), not of 64
+    assert prepare_moe_weights(*raw).row_group == moe_matmul.ROW_GROUP
+    assert prepare_moe_weights(*raw, row_group=32).row_group == 32
+    assert prepare_moe_weights(*raw, row_group=64).row_group == 1
+    with pytest.raises(ValueError, match="power of two"):
+        prepare_moe_weights(*raw, row_group=3)
+
+
+@pytest.mark.parametrize("config", [DECODE, dataclasses.replace(DECODE, split_k=2), PREFILL_SWAPPED, PREFILL_SLICED,
+                                    GEMV],
+                         ids=["decode", "decode-split-k", "prefill-swapped", "prefill-sliced", "gemv"])
+def test_row_groups_give_the_same_outputs(device, config):
+    # The grouping moves bytes, not arithmetic: every layout must give the row-major result bit for bit.
+    tokens, experts, hidden, inter, top_k = (1 if config.gemv else 9), 4, 96, 64, 4
+    raw = _raw_weights(experts, hidden, inter, device)
+    x, rw, rb = _inputs(tokens, experts, hidden, top_k, torch.float32, device)
+    want = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=1), top_k, config=config)
+    for row_group in (8, 16, 32):
+        got = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k, config=config)
+        assert torch.equal(got, want), f"row_group={row_group}"
 
 
 @pytest.mark.parametrize("high,fold", [(FOLD_MAX_SCALE, True), (FOLD_MAX_SCALE + 1, False)])
@@ -525,6 +555,20 @@ def test_real_shapes_bf16(tokens, variant):
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
+
+
+@requires_gpu
+@pytest.mark.parametrize("row_group", [16, 32])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 4096])
+def test_real_shapes_row_groups_agree(tokens, row_group):
+    # Same kernels and arithmetic on both layouts (MoeWeights.row_group): bit for bit on the GPU too.
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    want = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=1), top_k)
+    assert torch.equal(moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k), want)
 
 
 def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .moe_matmul import (
+    BLOCK_BYTES,
     MoeConfig,
     MoeWeights,
     _check_activation,
@@ -34,6 +35,7 @@ from .moe_matmul import (
     _dot_scaled_format,
     _fp4_pairs_bf16,
     _out_buffer,
+    _row_offsets,
     _swiglu,
 )
 from .moe_routing import MoeRouting, topk_softmax_row
@@ -117,13 +119,15 @@ def _x_pairs_f16(x_ptr, g, left):
 
 @triton.jit
 def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, ROW_GROUP: tl.constexpr):
     """_mx_gemv with packed-fp16 block dot products (module docstring); NaN/inf where a block
     overflowed fp16."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     words = w_base.to(tl.pointer_type(tl.int32))
-    w_ptrs = words + wrows[:, None, None] * (stride_wn // 4) + g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    rows_at = (wrows // ROW_GROUP).to(tl.int64) * (stride_wn // 4) + (wrows % ROW_GROUP) * (BLOCK_BYTES // 4)
+    w_ptrs = (words + rows_at[:, None, None] + g[None, :, None] * (BLOCK_BYTES // 4 * ROW_GROUP)
+              + tl.arange(0, 4)[None, None, :])
     scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -141,7 +145,7 @@ def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
             dtype=tl.float32, is_pure=True, pack=1,
         )  # fmt: skip
         acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        w_ptrs += BLOCK_K // 8
+        w_ptrs += G * (BLOCK_BYTES // 4 * ROW_GROUP)
         scl_ptrs += G * stride_sg
     return tl.sum(acc, axis=1)
 
@@ -168,14 +172,15 @@ def _gemv_step(acc, x, blk, scl, ASM: tl.constexpr):
 @triton.jit
 def _mx_gemv(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_R] fp32 = W[wrows, :K] @ x[:K]; x_row points at x[0], W is packed MXFP4 (K a multiple of 32).
     Dequantise to fp32 (bf16 inline asm when ASM), then FMA: the interpreter's path and the fallback."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     j = tl.arange(0, 16)
-    blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + j[None, None, :]
+    blk_ptrs = (w_base + _row_offsets(wrows, stride_wn, ROW_GROUP)[:, None, None]
+                + g[None, :, None] * (BLOCK_BYTES * ROW_GROUP) + j[None, None, :])
     scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
     # x as [G, 16, 2]: byte j of block g holds elements 32g + 2j (low nibble) and 32g + 2j + 1.
     x_ptrs = x_row + g[:, None, None] * 32 + j[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
@@ -184,7 +189,7 @@ def _mx_gemv(
         x, blk, scl = _gemv_loads(x_ptrs, blk_ptrs, scl_ptrs, wrow_ok, g, K - k0)
         acc = _gemv_step(acc, x, blk, scl, ASM)
         x_ptrs += BLOCK_K
-        blk_ptrs += BLOCK_K // 2
+        blk_ptrs += G * (BLOCK_BYTES * ROW_GROUP)
         scl_ptrs += G * stride_sg
     return tl.sum(acc, axis=1)
 
@@ -192,16 +197,19 @@ def _mx_gemv(
 @triton.jit
 def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
     if F16:
-        acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K)
+        acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
+                           ROW_GROUP)
         if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
             # Short K steps: this rare path must not raise the kernel's register count.
-            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False)
+            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False,
+                           ROW_GROUP)
     else:
-        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM)
+        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
+                       ROW_GROUP)
     return acc
 
 
@@ -239,7 +247,8 @@ def _gemv1_swiglu_kernel(
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
     logits_ptr, stride_lt, topk_weights_ptr, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-    PDL: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+    PDL: tl.constexpr, ROW_GROUP: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1,
+    BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
@@ -252,7 +261,7 @@ def _gemv1_swiglu_kernel(
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16)
+                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,6 +275,7 @@ def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
@@ -273,7 +283,7 @@ def _gemv2_kernel(
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
     acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16)
+                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -290,11 +300,11 @@ def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, nam
     return _out_buffer(out, (routing.num_tokens * routing.top_k, cols_out), dtype, a)
 
 
-def _launch_options(config: MoeConfig, a: torch.Tensor) -> dict:
-    """The launch arguments both gemv kernels take from the config and their input `a`."""
+def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights) -> dict:
+    """The launch arguments both gemv kernels take from the config, their input `a` and the weights."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
-            "num_warps": config.num_warps, "num_stages": config.num_stages}
+            "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def moe_gemv1_swiglu(
@@ -321,7 +331,7 @@ def moe_gemv1_swiglu(
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
-        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x), **extra,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x, w), **extra,
     )  # fmt: skip
     return act
 
@@ -338,6 +348,6 @@ def moe_gemv2(
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, **_launch_options(config, act),
+        BLOCK_N=config.block_n2, **_launch_options(config, act, w),
     )  # fmt: skip
     return y

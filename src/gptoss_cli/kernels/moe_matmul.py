@@ -8,8 +8,14 @@ A program owns one tile of BLOCK_M sorted rows of one expert (from the routing t
 BLOCK_N output columns, so each packed weight tile is read once per tile, not once per token.
 
 Weight layout (prepare_moe_weights, a one-time re-layout, nothing dequantised):
-  blocks [E, N, K/2] u8: the checkpoint bytes, each row's 16-byte blocks end to end
-                          (byte b holds elements 2b in the low nibble and 2b+1 in the high one);
+  blocks [E, N/R, (K/32)*R*16] u8: the checkpoint's 16-byte blocks (byte b of a block holds its
+                          elements 2b in the low nibble and 2b+1 in the high one), R = row_group
+                          rows at a time: for each group of R rows, block column 0 of those R rows
+                          (R*16 contiguous bytes), then block column 1, ... So a kernel's K step
+                          over R rows reads one contiguous piece instead of R pieces a row apart
+                          (H200, load-only, gemv1's programs: 56-59 -> 65-67 % of copy bandwidth,
+                          78 % with 16-row, 512-byte steps; benchmarks/bench_weight_stream.py).
+                          R = 1 is the checkpoint's row-major order;
   scales [E, K/32, N] u8: transposed so one 32-group's scales for a run of rows are contiguous;
   biases [E, N] fp32.
 Dequantisation in registers (the portable path): nibble s|e1 e0|m moved to fp16 bits 15 and
@@ -44,6 +50,12 @@ from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 # Largest E8M0 byte the folded asm takes: its scale operand 2**(s - 1) must be a bf16 normal.
 FOLD_MAX_SCALE = 128
+# Rows per contiguous group of the packed expert bytes (MoeWeights.row_group). H200, per layer
+# (bench_moe, session 12), row-major / 8 / 16 / 32: 20b T=1 moe_forward 35.3 / 33.9 / 33.5 / 33.5
+# us, T=64 265.9 / 269.5 / 269.2 / 278.1, 120b T=64 548.5 / 531.9 / 532.1 / 533.9; engine 20b
+# batch 64 8,034 / 7,917 / 7,914 / 7,713 tok/s. 16 keeps the batch-1 gain at the least batch-64 cost.
+ROW_GROUP = 16
+BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
 # Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
 DECODE_MAX_ROWS_PER_EXPERT = 16
 COMBINE_BLOCK = 256  # columns per combine program
@@ -85,7 +97,8 @@ class MoeConfig:
     # gemv with fused_router (T = 1): the router launch stops at the logits, and every gemv1
     # program takes the top-k and softmax of its token's logits itself (the slot's first program
     # stores them for gemv2), instead of the router's last program doing it after an arrival
-    # counter: one serial tail off the step's critical path. Off until measured on the H200.
+    # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
+    # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
@@ -142,12 +155,13 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
         # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
         # with 32 columns, 41.2 in fp32). gemm2 with 8 rows per program: the engine's batch-1 step
-        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6). The interpreter runs
+        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6). The top-k in gemv1
+        # (gemv_topk): 559.8 -> 565.5 tok/s (session 12). The interpreter runs
         # programs one by one at a fixed cost each, so the CPU engine takes 64-wide blocks (the
         # kernel tests choose their own tiles).
         wide = 64 if _interpreting() else 0
         return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
-                         gemv=True, gemv_f16=True, fused_router=True)
+                         gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
         # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
         # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise
@@ -184,8 +198,9 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
 class MoeWeights:
     """Expert weights as the kernels read them (layout in the module docstring).
 
-    w1_blocks [E, 2I, C/2] u8, w1_scales [E, C/32, 2I] u8, w1_bias [E, 2I] fp32 (gate/up interleaved rows)
-    w2_blocks [E, C, I/2] u8,  w2_scales [E, I/32, C] u8,  w2_bias [E, C] fp32
+    w1_blocks [E, 2I/R, C/2*R] u8, w1_scales [E, C/32, 2I] u8, w1_bias [E, 2I] fp32 (gate/up interleaved rows)
+    w2_blocks [E, C/R, I/2*R] u8,  w2_scales [E, I/32, C] u8,  w2_bias [E, C] fp32
+    R = row_group: the blocks' rows come in groups of R (module docstring); 1 = row-major.
     """
 
     w1_blocks: torch.Tensor
@@ -196,21 +211,23 @@ class MoeWeights:
     w2_bias: torch.Tensor
     # Every scale byte <= FOLD_MAX_SCALE, so the asm may fold 2**126 into the scale (_fp4_pairs_bf16).
     fold_scales: bool = False
+    row_group: int = 1
 
     @property
     def num_experts(self) -> int:
-        return self.w1_blocks.shape[0]
+        return self.w1_scales.shape[0]
 
     @property
     def hidden(self) -> int:
-        return self.w2_blocks.shape[1]
+        return self.w2_scales.shape[2]
 
     @property
     def intermediate(self) -> int:
-        return self.w1_blocks.shape[1] // 2
+        return self.w1_scales.shape[2] // 2
 
 
-def _packed_layout(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, name: str, shape: tuple):
+def _packed_layout(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, name: str, shape: tuple,
+                   row_group: int):
     """Checkpoint [E, N, K/32, 16] + [E, N, K/32] + [E, N] -> kernel layout, after checking shapes."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError(f"{name} blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
@@ -222,7 +239,8 @@ def _packed_layout(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
         )
     if tuple(bias.shape) != (e, n):
         raise ValueError(f"{name} bias: expected {(e, n)}, got {tuple(bias.shape)}")
-    packed = blocks.reshape(e, n, groups * BYTES_PER_BLOCK).contiguous()
+    packed = blocks.reshape(e, n // row_group, row_group, groups, BYTES_PER_BLOCK).transpose(2, 3)
+    packed = packed.reshape(e, n // row_group, groups * row_group * BYTES_PER_BLOCK).contiguous()  # a copy if R > 1
     return packed, scales.transpose(1, 2).contiguous(), bias.float().contiguous()
 
 
@@ -233,9 +251,11 @@ def prepare_moe_weights(
     w2_blocks: torch.Tensor,
     w2_scales: torch.Tensor,
     w2_bias: torch.Tensor,
+    row_group: int = ROW_GROUP,
 ) -> MoeWeights:
-    """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes (a view
-    when contiguous), scales are transposed, biases become fp32."""
+    """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes, in groups
+    of `row_group` rows (module docstring; 1 keeps the checkpoint order, a view when contiguous;
+    a row count it does not divide falls back to 1), scales are transposed, biases become fp32."""
     if w1_blocks.dim() != 4 or w2_blocks.dim() != 4:
         shapes = f"{tuple(w1_blocks.shape)}, {tuple(w2_blocks.shape)}"
         raise ValueError(f"expert blocks must be [E, N, K/32, 16], got {shapes}")
@@ -246,11 +266,16 @@ def prepare_moe_weights(
     devices = {t.device for t in (w1_blocks, w1_scales, w1_bias, w2_blocks, w2_scales, w2_bias)}
     if len(devices) != 1:
         raise ValueError(f"expert tensors are on several devices: {sorted(map(str, devices))}")
-    w1 = _packed_layout(w1_blocks, w1_scales, w1_bias, "gate_up", (experts, two_inter, hidden // VALUES_PER_BLOCK))
-    w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK))
+    if row_group < 1 or row_group & (row_group - 1):
+        raise ValueError(f"row_group must be a power of two, got {row_group}")
+    if two_inter % row_group or hidden % row_group:
+        row_group = 1
+    w1 = _packed_layout(w1_blocks, w1_scales, w1_bias, "gate_up", (experts, two_inter, hidden // VALUES_PER_BLOCK),
+                        row_group)
+    w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK), row_group)
     # One host sync per layer, at load: real scales sit far below the bound (weights under 12).
     fold = max(int(w1_scales.max()), int(w2_scales.max())) <= FOLD_MAX_SCALE if w1_scales.numel() else True
-    return MoeWeights(*w1, *w2, fold_scales=fold)
+    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group)
 
 
 def _interpreting() -> bool:
@@ -468,11 +493,18 @@ def _swiglu(gate, up, limit, alpha):
 
 
 @triton.jit
+def _row_offsets(wrows, stride_wn, ROW_GROUP: tl.constexpr):
+    """Byte offset of block column 0 of each weight row (stride_wn: bytes per group of ROW_GROUP
+    rows); block column g of a row sits g * 16 * ROW_GROUP bytes further (module docstring)."""
+    return (wrows // ROW_GROUP).to(tl.int64) * stride_wn + (wrows % ROW_GROUP) * BLOCK_BYTES
+
+
+@triton.jit
 def _mx_matmul(
     a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
     "swapped" OPERANDS accumulate the transpose (MoeConfig.swap_ab), transposed back at the end.
@@ -484,7 +516,8 @@ def _mx_matmul(
     g = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
     # Pointers are built once and advanced: the loop body does no per-element index math.
-    blk_ptrs = w_base + wrows[:, None, None] * stride_wn + g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    blk_ptrs = (w_base + _row_offsets(wrows, stride_wn, ROW_GROUP)[:, None, None]
+                + g[None, :, None] * (BLOCK_BYTES * ROW_GROUP) + tl.arange(0, 16)[None, None, :])
     if SCALE_WORDS:
         quad = tl.min(tl.reshape(wrows, (BLOCK_N // 4, 4)), axis=1)  # first row of each quad
         quad_ok = tl.max(tl.reshape(wrow_ok.to(tl.int32), (BLOCK_N // 4, 4)), axis=1) > 0
@@ -510,7 +543,7 @@ def _mx_matmul(
             scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
         acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS)
         a_ptrs += BLOCK_K
-        blk_ptrs += BLOCK_K // 2
+        blk_ptrs += (BLOCK_K // 32) * BLOCK_BYTES * ROW_GROUP
         scl_ptrs += scl_step
     if OPERANDS == "swapped":
         acc = tl.trans(acc)
@@ -527,6 +560,7 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
     slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -547,6 +581,7 @@ def _gemm1_swiglu_kernel(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
         BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
+        ROW_GROUP,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -565,7 +600,7 @@ def _gemm2_kernel(
     num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
-    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALE_WORDS: tl.constexpr, ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -577,10 +612,11 @@ def _gemm2_kernel(
     k_lo, k_len = _k_range(inter, SPLIT_K, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + k_lo + tl.arange(0, BLOCK_K)[None, :]
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + k_lo // 2,
+        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP,
         s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
         cols, col_ok, k_len, stride_wn, stride_sg,
         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
+        ROW_GROUP,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
@@ -701,7 +737,8 @@ def moe_gemm1_swiglu(
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1),
-        SUB_M=slices, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
+        SUB_M=slices, ROW_GROUP=w.row_group, num_warps=config.num_warps, num_stages=config.num_stages,
+        **_register_cap(config),
     )  # fmt: skip
     return act
 
@@ -726,7 +763,7 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2),
+        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2), ROW_GROUP=w.row_group,
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return y
@@ -751,8 +788,16 @@ def moe_combine(
 
 def expert_weight(blocks: torch.Tensor, scales: torch.Tensor, expert: int) -> torch.Tensor:
     """One expert of a MoeWeights matrix, dequantised: [N, K] fp32 (for twins and tests)."""
-    n, half = blocks.shape[1:]
-    return dequantize_mxfp4(blocks[expert].view(n, half // BYTES_PER_BLOCK, BYTES_PER_BLOCK), scales[expert].T)
+    return dequantize_mxfp4(checkpoint_blocks(blocks, scales, expert), scales[expert].T)
+
+
+def checkpoint_blocks(blocks: torch.Tensor, scales: torch.Tensor, expert: int) -> torch.Tensor:
+    """One expert's packed bytes of a MoeWeights matrix back in the checkpoint's [N, K/32, 16]
+    order (the row group follows from the shapes: scales are [E, K/32, N])."""
+    groups, n = scales.shape[1:]
+    row_group = n // blocks.shape[1]
+    grouped = blocks[expert].view(n // row_group, groups, row_group, BYTES_PER_BLOCK)
+    return grouped.transpose(1, 2).reshape(n, groups, BYTES_PER_BLOCK)
 
 
 def _rows_by_expert(routing: MoeRouting):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.moe_matmul import ROW_GROUP
 from ..api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent, record_token
 from ..checkpoint import ModelWeights
 from ..errors import RequestError
@@ -50,6 +51,9 @@ class GpuEngineConfig:
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
     overlap_steps: bool = True
+    # Rows per contiguous group of the packed expert bytes (kernels.MoeWeights.row_group; 1 = the
+    # checkpoint's row-major order): each K step of a MoE kernel then reads whole pieces.
+    moe_row_group: int = ROW_GROUP
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -72,7 +76,7 @@ class GpuEngine(Engine):
         device = weights.device
         check_device(device)
         dtype = getattr(torch, opts.dtype)
-        gpu_weights = prepare_weights(weights, dtype)
+        gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
                               opts.max_batch, opts.max_step_tokens, dtype.itemsize)
         self.kv_cache = KvCache(cfg, plan, opts.max_batch, device, dtype)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import prepare_moe_weights
+from ...kernels.moe_matmul import ROW_GROUP
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 
@@ -60,11 +61,13 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
     return 0
 
 
-def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> GpuWeights:
-    """Consume `weights.tensors` (entries are popped) into the GPU layout on their device."""
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16,
+                    moe_row_group: int = ROW_GROUP) -> GpuWeights:
+    """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
+    `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group)."""
     cfg, t = weights.config, weights.tensors
     cast = lambda x: x.to(dtype).contiguous()  # noqa: E731
-    layers = [_layer(cfg, t, n, cast) for n in range(cfg.num_hidden_layers)]
+    layers = [_layer(cfg, t, n, cast, moe_row_group) for n in range(cfg.num_hidden_layers)]
     return GpuWeights(
         config=cfg,
         embed=cast(t.pop("model.embed_tokens.weight")),
@@ -74,7 +77,7 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) 
     )
 
 
-def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast) -> LayerWeights:
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_group: int) -> LayerWeights:
     p = f"model.layers.{n}."
     pop = lambda name: t.pop(p + name)  # noqa: E731
     qkv_w = cast(torch.cat([pop(f"self_attn.{x}_proj.weight") for x in "qkv"]))
@@ -82,7 +85,7 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast) -> LayerW
     experts = prepare_moe_weights(
         pop("mlp.experts.gate_up_proj_blocks"), pop("mlp.experts.gate_up_proj_scales"),
         pop("mlp.experts.gate_up_proj_bias"), pop("mlp.experts.down_proj_blocks"),
-        pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"))
+        pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"), row_group=moe_row_group)
     return LayerWeights(
         attn_norm=pop("input_layernorm.weight").float(),
         qkv_w=qkv_w, qkv_b=qkv_b,
