@@ -20,6 +20,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from bench_attention import _graph_ms  # same directory: on sys.path when run as a script
 
 COPY_TBPS = 4.3
 
@@ -76,25 +77,8 @@ def _rowwise_kernel(w_ptr, ids_ptr, out_ptr, stride_we, stride_wn, k_bytes, BLOC
 
 
 def _graph_us(launches: list, replays: int = 20) -> float:
-    """Median µs per launch, the launches captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for fn in launches:
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in launches:
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(launches))
-    return sorted(times)[len(times) // 2]
+    """Median µs per launch, the launches captured in one CUDA graph (bench_attention's timer)."""
+    return _graph_ms(lambda: [fn() for fn in launches], calls=1, replays=replays) * 1e3 / len(launches)
 
 
 def run(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: int, calls: int = 24) -> None:
