@@ -4,8 +4,9 @@ The gemv kernels (kernels/moe_gemv.py) read, per K step, 256 bytes of each of a 
 rows, rows 1,440 bytes apart; the whole GPU at one moment touches short pieces spread over the 4
 experts' 33 MB. This script streams the same bytes with no arithmetic, in three orders:
   strided  the gemv's order on the checkpoint layout (row-major [E, N, K/2]);
-  blocked  the same programs and steps on a layout where each (32-row group, 16-byte block column)
-           is 512 contiguous bytes, so every K step of a program reads one contiguous piece;
+  blocked  the same programs and steps on a layout where a program's rows form one group and each
+           16-byte block column of the group is contiguous (MoeWeights.row_group = rows per
+           program), so every K step of a program reads one contiguous piece;
   rowwise  the checkpoint layout, but each step reads whole rows (4 rows x 1,440 bytes).
 If strided is much slower than blocked, a one-time reordering of the packed bytes at load is a
 bandwidth lever for the gemv; if they tie, the gemv's limit is elsewhere.
