@@ -125,11 +125,8 @@ def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     words = w_base.to(tl.pointer_type(tl.int32))
-    # _row_offsets in 4-byte words: the launcher's divisibility hint on stride_wn then still proves
-    # the 16-byte alignment that the vector loads need (offline sm_90: LDG.E.128).
-    rows_at = (wrows // ROW_GROUP).to(tl.int64) * (stride_wn // 4) + (wrows % ROW_GROUP) * (BLOCK_BYTES // 4)
-    w_ptrs = (words + rows_at[:, None, None] + g[None, :, None] * (BLOCK_BYTES // 4 * ROW_GROUP)
-              + tl.arange(0, 4)[None, None, :])
+    w_ptrs = (words + _row_offsets(wrows, stride_wn, ROW_GROUP, 4)[:, None, None]
+              + g[None, :, None] * (BLOCK_BYTES // 4 * ROW_GROUP) + tl.arange(0, 4)[None, None, :])
     scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

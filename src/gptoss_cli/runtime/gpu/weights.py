@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import prepare_moe_weights
-from ...kernels.moe_matmul import ROW_GROUP
 from ..checkpoint import ModelWeights
 from ..config import ModelConfig
 
@@ -61,8 +60,7 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
     return 0
 
 
-def prepare_weights(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16,
-                    moe_row_group: int = ROW_GROUP) -> GpuWeights:
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: int) -> GpuWeights:
     """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
     `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group)."""
     cfg, t = weights.config, weights.tensors
