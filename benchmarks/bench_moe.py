@@ -42,7 +42,8 @@ class Case:
     tokens: int
 
 
-CASES = [Case(m, e, 2880, 2880, 4, t) for m, e in (("20b", 32), ("120b", 128)) for t in (1, 64, 4096)]
+MODELS = (("20b", 32), ("120b", 128))  # (name, experts); both have hidden = intermediate = 2880, top-4
+CASES = [Case(m, e, 2880, 2880, 4, t) for m, e in MODELS for t in (1, 64, 4096)]
 SMOKE_CASES = [Case("tiny", 8, 64, 64, 4, 3)]
 
 
@@ -165,11 +166,32 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "k256": {"block_k": 256},
     "n32-k128": {"block_n1": 32, "block_n2": 32, "block_k": 128},
     "f16-n2-32": {"block_n2": 32},
+    # Session 12's decode tiles: 4 warps, whose K steps load 1-2 scale bytes per thread, below
+    # cp.async's minimum, so every step waited on them (from 4 rows per expert; 32-column ones below,
+    # with split_k 2 at <= 1 row per expert).
+    "s12-tiles": {"block_n1": 64, "block_n2": 64, "block_k": 64, "num_warps": 4, "maxnreg": 80, "split_k": 1},
+    "s12-tiles32": {"block_n1": 32, "block_n2": 32, "block_k": 128, "num_warps": 4, "maxnreg": 96, "split_k": 1},
+    # Other tile specs with >= 4 scale bytes per thread and step (session 13): one warp, or 4 warps
+    # on twice the rows; and the default's gemm2 split in two along K.
+    "t64w1": {"block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 1, "maxnreg": 0, "split_k": 1},
+    "t128w4": {"block_n1": 128, "block_n2": 256, "block_k": 64, "num_warps": 4, "maxnreg": 0, "split_k": 1},
+    "split2": {"split_k": 2},
+    "stages4": {"num_stages": 4},
+    "r96": {"maxnreg": 96},  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
+    "k128-free": {"block_k": 128, "maxnreg": 0},  # 141 registers: 7 programs per SM
+    # The prefill tiles where pick_config takes decode tiles (16 to 32 rows per expert since session 13)
+    "prefill-tiles": {"regime": "prefill", "block_m": 32, "block_n1": 64, "block_n2": 128, "block_k": 64,
+                      "num_warps": 8, "num_stages": 3, "maxnreg": 0, "split_k": 1, "swap_ab": True, "block_m1": 32,
+                      "scale_words": True, "fused_router": False},
+    # The decode tiles where pick_config takes prefill tiles (before session 13: from 16 rows per expert)
+    "decode-tiles": {"regime": "decode", "block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2,
+                     "num_stages": 3, "maxnreg": 128, "split_k": 1, "swap_ab": False, "scale_words": False, "block_m1": 0},
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
-    64: ["default", "regs-free", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled", "gemv"],
+    64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
+         "gemv"],
     4096: ["default", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
 
@@ -280,7 +302,10 @@ def bench(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = 
     if not variants:
         variants = ["fp32deq", "gemv"] if device == "cpu" else []  # [] = VARIANTS_BY_TOKENS
     rows = []
-    for case in SMOKE_CASES if smoke else CASES:
+    cases = SMOKE_CASES if smoke else CASES
+    if tokens and not smoke:  # any token count, not only the table's
+        cases = [Case(m, e, 2880, 2880, 4, t) for m, e in MODELS for t in tokens]
+    for case in cases:
         if tokens and case.tokens not in tokens:
             continue
         rows += _bench_case(case, device, variants, row_group)

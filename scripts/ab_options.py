@@ -41,7 +41,10 @@ class MoePatch:
 
     def _pick(self, num_tokens: int, num_experts: int, top_k: int):
         cfg = self.base(num_tokens, num_experts, top_k)
-        return dataclasses.replace(cfg, **self.changes) if self.on and num_tokens in self.tokens else cfg
+        # The matrix-vector configs (T = 1) take only changes that name gemv fields: tile specs
+        # meant for the tiled decode kernels would reshape the gemv's blocks.
+        applies = not cfg.gemv or any(name.startswith("gemv") for name in self.changes)
+        return dataclasses.replace(cfg, **self.changes) if self.on and num_tokens in self.tokens and applies else cfg
 
 
 def ttft_ms(eng, length: int, seed: int) -> float:

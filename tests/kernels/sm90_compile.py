@@ -91,30 +91,31 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
-def _decode_tiles(block_n: int, block_k: int, split_k: int = 1, fmt: str = "asm-folded", maxnreg: int = 0):
-    """pick_config's decode tiles (16 rows, asm dequantisation, even/odd K): gemm1 and gemm2."""
+def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
+    """pick_config's decode tiles at `num_tokens` (16 rows, asm dequantisation, even/odd K): gemm1 and
+    gemm2 under the config's warps and register cap. Each K step's scales must reach shared memory
+    through cp.async like the weights (no byte-wide global load: one waited on inside every step was
+    the 4-warp tiles' top stall), and the cap must not spill."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
 
+    config = mm.pick_config(num_tokens, 32, 4)
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
-    common = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16,
-              "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "even_odd",
-              "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
+    common = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
+              "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False,
+              "OPERANDS": config.operands, "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages, "maxnreg": config.maxnreg}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                      common | {"TOP_K": 4, "SUB_M": 1}, maxnreg=maxnreg)
+                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1}, **launch)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                      common | {"SPLIT_K": split_k}, maxnreg=maxnreg)
-    if maxnreg:
-        _no_spills(g1, f"gemm1 {block_n}x{block_k}")
-        _no_spills(g2, f"gemm2 {block_n}x{block_k}")
-
-
-def _picked_maxnreg(num_tokens: int) -> int:
-    from gptoss_cli.kernels.moe_matmul import pick_config
-
-    return pick_config(num_tokens, 32, 4).maxnreg
+                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2}, **launch)
+    for name, kernel in (("gemm1", g1), ("gemm2", g2)):
+        if config.maxnreg:
+            _no_spills(kernel, name)
+        if "LDG.E.U8" in sass(kernel) or "LDG.E.U16" in sass(kernel):
+            raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
 
 
 def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_words: bool = False):
@@ -249,9 +250,9 @@ def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = Tru
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
-    "decode-tiles-32x128-split2": lambda: _decode_tiles(32, 128, split_k=2, maxnreg=_picked_maxnreg(8)),
-    "decode-tiles-64x64": lambda: _decode_tiles(64, 64, maxnreg=_picked_maxnreg(64)),
-    "decode-tiles-64x64-unfolded": lambda: _decode_tiles(64, 64, fmt="asm", maxnreg=_picked_maxnreg(64)),
+    "decode-tiles-2-tokens": lambda: _decode_tiles(2),
+    "decode-tiles-64-tokens": lambda: _decode_tiles(64),
+    "decode-tiles-64-tokens-unfolded": lambda: _decode_tiles(64, fmt="asm"),
     "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),

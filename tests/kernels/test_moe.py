@@ -551,6 +551,16 @@ def test_real_shapes_bf16(tokens, variant):
 
 
 @requires_gpu
+@pytest.mark.parametrize("variant", [{}, {"split_k": 2}, {"num_warps": 1, "maxnreg": 0},
+                                     {"num_warps": 4, "block_n2": 64, "maxnreg": 80}],
+                         ids=["default", "split-k", "1-warp", "4-warps"])
+@pytest.mark.parametrize("tokens", [2, 16, 64, 256])
+def test_real_shapes_bf16_decode_tiles(tokens, variant):
+    # pick_config's 2-warp tiles and their neighbours (bench_moe variants), a few rows per expert.
+    _check_real_shapes_bf16(tokens, variant)
+
+
+@requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False}],
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales"])
 def test_real_shapes_bf16_prefill_tiles(variant):

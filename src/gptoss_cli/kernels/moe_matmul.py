@@ -56,8 +56,10 @@ FOLD_MAX_SCALE = 128
 # batch 64 8,034 / 7,917 / 7,914 / 7,713 tok/s. 16 keeps the batch-1 gain at the least batch-64 cost.
 ROW_GROUP = 16
 BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
-# Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used.
-DECODE_MAX_ROWS_PER_EXPERT = 16
+# Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used. H200,
+# 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
+# per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
+DECODE_MAX_ROWS_PER_EXPERT = 32
 COMBINE_BLOCK = 256  # columns per combine program
 COMBINE_TOKENS = 16  # tokens per combine program
 
@@ -163,18 +165,17 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
                          gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
     if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
-        # Tile sweep on the H200 (docs/optimizations.md): with few rows per expert narrow 32-column
-        # blocks keep enough programs in flight; from ~4 rows per expert wider blocks amortise
-        # the dequantisation.
-        if per_expert < 4:
-            # 96 registers (ptxas picks 113, no spills at 96): 5 programs per SM instead of 4.
-            return MoeConfig("decode", 16, 32, 32, 128, num_warps=4, num_stages=3, asm_dequant=True,
-                             split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS,
-                             maxnreg=96)
-        # 80 registers (ptxas picks 88, no spills at 80): 6 programs per SM instead of 5. At batch
-        # 64 the ~1,440 working gemm1 programs then fill 2 rounds of the SMs instead of 3 (Nsight
-        # Compute: register-limited occupancy, partial last wave).
-        return MoeConfig("decode", 16, 64, 64, 64, num_warps=4, num_stages=3, asm_dequant=True, maxnreg=80)
+        # 2 warps per program: a K step's scales (128 weight rows x 2 groups) are then 4 bytes per
+        # thread, cp.async's minimum, so they travel in the weights' pipeline ring; with 4 warps
+        # they were a 1-2 byte load waited on inside every step (ncu: 42-47 % of the stall
+        # samples). gemm2 takes 128 columns for the same reason. H200, per layer (bench_moe,
+        # session 13), against session 12's 4-warp tiles: 20b T=64 268 -> 201 us, T=16 169 -> 130,
+        # 120b T=64 532 -> 325, T=16 285 -> 202; engine 20b batch 64 7,909 -> 10,003 tok/s.
+        # 128 registers: 9 programs per SM, no spills (offline sm_90). At <= 1 row per expert gemm2
+        # is split in two along K for more programs in flight (20b T=4: 25.8 -> 21.6 us; 120b T=8:
+        # 56.7 -> 39.4).
+        return MoeConfig("decode", 16, 64, 128, 64, num_warps=2, num_stages=3, asm_dequant=True, maxnreg=128,
+                         split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty
