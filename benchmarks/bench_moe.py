@@ -179,6 +179,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "stages4": {"num_stages": 4},
     "r96": {"maxnreg": 96},  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
     "k128-free": {"block_k": 128, "maxnreg": 0},  # 141 registers: 7 programs per SM
+    "g2-k128": {"block_k2": 128, "maxnreg2": 0},  # gemm2 alone with K step 128, no cap (142 registers)
     # The prefill tiles where pick_config takes decode tiles (16 to 32 rows per expert since session 13)
     "prefill-tiles": {"regime": "prefill", "block_m": 32, "block_n1": 64, "block_n2": 128, "block_k": 64,
                       "num_warps": 8, "num_stages": 3, "maxnreg": 0, "split_k": 1, "swap_ab": True, "block_m1": 32,

@@ -24,7 +24,7 @@ import sys
 
 import torch
 from gpu_check import _bench_engine, _prompts, _release, row
-from profile_decode import engine_options, moe_fields
+from profile_decode import engine_options, moe_changes_apply, moe_fields
 
 DECODE_TOKENS = 64  # steps of at most this many tokens are decode-sized (graph-captured)
 
@@ -41,10 +41,8 @@ class MoePatch:
 
     def _pick(self, num_tokens: int, num_experts: int, top_k: int):
         cfg = self.base(num_tokens, num_experts, top_k)
-        # The matrix-vector configs (T = 1) take only changes that name gemv fields: tile specs
-        # meant for the tiled decode kernels would reshape the gemv's blocks.
-        applies = not cfg.gemv or any(name.startswith("gemv") for name in self.changes)
-        return dataclasses.replace(cfg, **self.changes) if self.on and num_tokens in self.tokens and applies else cfg
+        applies = self.on and num_tokens in self.tokens and moe_changes_apply(cfg, self.changes)
+        return dataclasses.replace(cfg, **self.changes) if applies else cfg
 
 
 def ttft_ms(eng, length: int, seed: int) -> float:

@@ -133,8 +133,16 @@ def moe_fields(pairs: list[str], flag: str = "--moe") -> dict:
         if name not in fields:
             raise SystemExit(f"{flag}: unknown MoeConfig field {name!r} (fields: {', '.join(fields)})")
         kind = str(fields[name])  # annotations are strings (postponed evaluation)
-        changes[name] = value.lower() in ("1", "true") if kind == "bool" else int(value) if kind == "int" else value
+        is_int = kind in ("int", "int | None")
+        changes[name] = value.lower() in ("1", "true") if kind == "bool" else int(value) if is_int else value
     return changes
+
+
+def moe_changes_apply(config, changes: dict) -> bool:
+    """Whether MoeConfig `changes` are meant for `config`: the matrix-vector configs (T = 1) take only
+    changes that name gemv fields, since tile specs for the tiled decode kernels would reshape the
+    gemv's blocks."""
+    return not config.gemv or any(name.startswith("gemv") for name in changes)
 
 
 def override_moe(pairs: list[str]) -> None:
@@ -148,7 +156,7 @@ def override_moe(pairs: list[str]) -> None:
 
     def patched(num_tokens: int, num_experts: int, top_k: int):
         cfg = base(num_tokens, num_experts, top_k)
-        return dataclasses.replace(cfg, **changes) if num_tokens <= 64 else cfg
+        return dataclasses.replace(cfg, **changes) if num_tokens <= 64 and moe_changes_apply(cfg, changes) else cfg
 
     moe.pick_config = patched
     print(f"MoE override for T <= 64: {changes}")
