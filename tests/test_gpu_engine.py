@@ -183,3 +183,22 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
     prompt = _prompt(9, 47)
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
     assert eng.runner._graph_seqs is not None
+
+
+def test_128_experts_like_120b_match_reference():
+    # gpt-oss-120b differs from 20b in its 128 experts (and 36 layers): the routing and tile tables
+    # with most experts empty (prefill), and at T = 1 the fused router with the top-k in gemv1 over
+    # 128 logits, at tiny widths, against the reference.
+    import dataclasses
+
+    from gptoss_cli.runtime.random_checkpoint import build_random_weights, random_config
+
+    cfg = dataclasses.replace(random_config("tiny"), num_local_experts=128)
+    weights = lambda: build_random_weights(cfg, seed=9, device=DEVICE)  # noqa: E731 - the engine takes over its tensors
+    ref128 = ReferenceModel(weights(), dtype=torch.float32)
+    eng = GpuEngine(weights(), max_batch=1, max_step_tokens=64, block_size=16, kv_memory_bytes=16 << 20,
+                    max_context=128, cuda_graphs=DEVICE == "cuda", dtype=str(DTYPE).removeprefix("torch."))
+    p = _prompt(12, 51)
+    tol = 1e-3 if DEVICE == "cuda" else 1e-4
+    assert max_rel_err(eng.score(p), ref128.forward([(p, ref128.new_cache())], all_logits=True)) <= tol
+    assert eng.generate([p], GREEDY)[0].token_ids == _ref_greedy(ref128, p, GREEDY.max_tokens)
