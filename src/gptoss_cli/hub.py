@@ -2,7 +2,8 @@
 
 Uses huggingface_hub (0.30 … 2.x) for listing and transfer. Never prints: progress goes to a
 `Progress` callback and failures become a `DownloadError` with a one-line message and a hint.
-Local checks (cache layout, hashing, deleting bad files) and failure explanations: `hub_verify.py`.
+Local checks (cache layout, hashing, deleting bad files): `hub_cache.py`; what a failure means:
+`hub_errors.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from huggingface_hub import HfApi, constants, get_token, hf_hub_download, try_to
 from huggingface_hub.hf_api import RepoFile
 from tqdm import tqdm as _tqdm
 
-from gptoss_cli import hub_verify
+from gptoss_cli import hub_cache, hub_errors
 from gptoss_cli.runtime.errors import GptossError
 
 ALIASES = MappingProxyType({"20b": "openai/gpt-oss-20b", "120b": "openai/gpt-oss-120b"})
@@ -158,7 +159,7 @@ def plan_download(
     except DEFAULT_EXCLUDE (and `exclude`) is selected; with it, only matching files minus `exclude`.
     """
     repo_id = resolve_repo(repo_id)
-    commit, remote = _list_remote(hub_verify.HubRequest(repo_id, revision, endpoint=endpoint), token)
+    commit, remote = _list_remote(hub_errors.HubRequest(repo_id, revision, endpoint=endpoint), token)
     files = select_files(remote, include, exclude)
     if not files:
         raise DownloadError(
@@ -167,8 +168,8 @@ def plan_download(
         )
     local = Path(local_dir).expanduser() if local_dir is not None else None
     cache = Path(cache_dir).expanduser() if cache_dir is not None else Path(constants.HF_HUB_CACHE)
-    destination = local if local is not None else hub_verify.snapshot_dir(cache, repo_id, commit)
-    complete = frozenset(f.path for f in files if hub_verify.is_complete(destination / f.path, f.size))
+    destination = local if local is not None else hub_cache.snapshot_dir(cache, repo_id, commit)
+    complete = frozenset(f.path for f in files if hub_cache.is_complete(destination / f.path, f.size))
     return DownloadPlan(repo_id, revision, commit, files, destination, complete, endpoint, token, local, cache)
 
 
@@ -188,7 +189,7 @@ def _matches(path: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, p + "*" if p.endswith("/") else p) for p in patterns)
 
 
-def _list_remote(req: hub_verify.HubRequest, token: str | bool | None) -> tuple[str, list[RemoteFile]]:
+def _list_remote(req: hub_errors.HubRequest, token: str | bool | None) -> tuple[str, list[RemoteFile]]:
     """Resolve the revision to a commit, then list that commit, so every file comes from one commit."""
     api = HfApi(endpoint=req.endpoint, token=token)
     with _hub_errors(req, token):
@@ -209,8 +210,8 @@ def check_disk_space(plan: DownloadPlan) -> None:
     need = plan.bytes_to_download
     if need == 0:
         return
-    target = plan.local_dir if plan.local_dir is not None else hub_verify.repo_cache_dir(plan.cache_dir, plan.repo_id)
-    where = hub_verify.existing_ancestor(target)
+    target = plan.local_dir if plan.local_dir is not None else hub_cache.repo_cache_dir(plan.cache_dir, plan.repo_id)
+    where = hub_cache.existing_ancestor(target)
     free = shutil.disk_usage(where).free
     if free < need:
         raise DownloadError(
@@ -245,7 +246,7 @@ def download(
         raise ValueError(f"max_workers must be at least 1, got {max_workers}")
     progress = progress if progress is not None else _NoProgress()
     check_disk_space(plan)
-    pending = [f for f in plan.files if not hub_verify.is_complete(plan.destination / f.path, f.size)]
+    pending = [f for f in plan.files if not hub_cache.is_complete(plan.destination / f.path, f.size)]
     present = [f for f in plan.files if f not in pending] if verify_existing else []
     progress.start(sum(f.size for f in pending), len(pending))
     try:
@@ -253,7 +254,7 @@ def download(
     finally:
         progress.done()
     if plan.local_dir is None:
-        hub_verify.write_ref(plan.cache_dir, plan.repo_id, plan.revision, plan.commit)
+        hub_cache.write_ref(plan.cache_dir, plan.repo_id, plan.revision, plan.commit)
     return plan.destination
 
 
@@ -304,7 +305,7 @@ def _raise_failures(failures: list[BaseException]) -> None:
 def _download_one(plan: DownloadPlan, f: RemoteFile, progress: Progress, cancel: threading.Event) -> None:
     progress.file_start(f.path, f.size)
     counter = _ByteCounter(f.path, progress, cancel)
-    req = hub_verify.HubRequest(plan.repo_id, plan.revision, f.path, plan.endpoint)
+    req = hub_errors.HubRequest(plan.repo_id, plan.revision, f.path, plan.endpoint)
     with _hub_errors(req, plan.token):
         local = Path(hf_hub_download(**_fetch_kwargs(plan, f, counter)))
     # Libraries without byte callbacks (0.x), or a blob that was only linked: count it now.
@@ -332,10 +333,10 @@ def _fetch_kwargs(plan: DownloadPlan, f: RemoteFile, counter: _ByteCounter) -> d
 
 
 def _verify(plan: DownloadPlan, f: RemoteFile, path: Path) -> None:
-    problem = hub_verify.find_problem(path, f.size, f.sha256, f.blob_id)
+    problem = hub_cache.find_problem(path, f.size, f.sha256, f.blob_id)
     if problem is None:
         return
-    hub_verify.discard(path)
+    hub_cache.discard(path)
     raise ChecksumError(
         f"{f.path} is corrupt: {problem}; the file was deleted",
         hint="run the download again to fetch it again; if this repeats, a proxy, mirror or disk is damaging data",
@@ -401,14 +402,14 @@ def find_local_model(
     `local_dir` (a `download --local-dir` target) wins when it holds a checkpoint; otherwise the
     HF cache snapshot that refs/<revision> points to, if config.json and every shard are there.
     """
-    if local_dir is not None and hub_verify.looks_complete(Path(local_dir)):
+    if local_dir is not None and hub_cache.looks_complete(Path(local_dir)):
         return Path(local_dir)
     repo_id = resolve_repo(name_or_repo)
     hit = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
     if not isinstance(hit, str):  # None, or the library's "known not to exist" marker
         return None
     folder = Path(hit).parent
-    return folder if hub_verify.looks_complete(folder) else None
+    return folder if hub_cache.looks_complete(folder) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +417,7 @@ def find_local_model(
 
 
 @contextmanager
-def _hub_errors(req: hub_verify.HubRequest, token: str | bool | None) -> Iterator[None]:
+def _hub_errors(req: hub_errors.HubRequest, token: str | bool | None) -> Iterator[None]:
     try:
         yield
     except (DownloadError, _Cancelled):
@@ -444,12 +445,12 @@ def translate_hub_error(
     The token (given, or found by huggingface_hub) is scrubbed from the text; it is never shown.
     """
     secret = _effective_token(token)
-    req = hub_verify.HubRequest(repo_id, revision, filename, endpoint)
-    found = hub_verify.explain_failure(exc, req, has_token=secret is not None)
+    req = hub_errors.HubRequest(repo_id, revision, filename, endpoint)
+    found = hub_errors.explain_failure(exc, req, has_token=secret is not None)
     if found is None:
         return None
     message, hint = found
-    return DownloadError(hub_verify.scrub(message, secret), hub_verify.scrub(hint, secret))
+    return DownloadError(hub_errors.scrub(message, secret), hub_errors.scrub(hint, secret))
 
 
 def _effective_token(token: str | bool | None) -> str | None:

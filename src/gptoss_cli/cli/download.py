@@ -213,7 +213,7 @@ def _report_done(
 
 def _suggest_use(ui: Ui, plan: DownloadPlan, model: str, default_cache: bool) -> None:
     """How chat/run/bench find this checkpoint: by name from the default cache, else by path."""
-    from ..hub_verify import looks_complete
+    from ..hub_cache import looks_complete
 
     if not looks_complete(plan.destination):
         return
