@@ -185,8 +185,9 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
                       "num_warps": 8, "num_stages": 3, "maxnreg": 0, "split_k": 1, "swap_ab": True, "block_m1": 32,
                       "scale_words": True, "fused_router": False},
     # The decode tiles where pick_config takes prefill tiles (before session 13: from 16 rows per expert)
-    "decode-tiles": {"regime": "decode", "block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2,
-                     "num_stages": 3, "maxnreg": 128, "split_k": 1, "swap_ab": False, "scale_words": False, "block_m1": 0},
+    "decode-tiles": {"regime": "decode", "block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64,
+                     "num_warps": 2, "num_stages": 3, "maxnreg": 128, "split_k": 1, "swap_ab": False,
+                     "scale_words": False, "block_m1": 0},
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_long_sb (Not Issued)","stall_barrier"'
+HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_long_sb (Not Issued)",'
+          '"stall_barrier"')
 CSV = "\n".join([
     "==PROF== Connected to process 1",
     '"Kernel Name","_gemm1_swiglu_kernel",',

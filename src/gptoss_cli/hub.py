@@ -192,7 +192,7 @@ def _matches(path: str, patterns: Iterable[str]) -> bool:
 def _list_remote(req: hub_errors.HubRequest, token: str | bool | None) -> tuple[str, list[RemoteFile]]:
     """Resolve the revision to a commit, then list that commit, so every file comes from one commit."""
     api = HfApi(endpoint=req.endpoint, token=token)
-    with _hub_errors(req, token):
+    with _explained_failures(req, token):
         commit = api.model_info(req.repo_id, revision=req.revision).sha
         entries = list(api.list_repo_tree(req.repo_id, recursive=True, revision=commit or req.revision))
     if not commit:
@@ -306,7 +306,7 @@ def _download_one(plan: DownloadPlan, f: RemoteFile, progress: Progress, cancel:
     progress.file_start(f.path, f.size)
     counter = _ByteCounter(f.path, progress, cancel)
     req = hub_errors.HubRequest(plan.repo_id, plan.revision, f.path, plan.endpoint)
-    with _hub_errors(req, plan.token):
+    with _explained_failures(req, plan.token):
         local = Path(hf_hub_download(**_fetch_kwargs(plan, f, counter)))
     # Libraries without byte callbacks (0.x), or a blob that was only linked: count it now.
     counter.move_to(f.size)
@@ -417,7 +417,7 @@ def find_local_model(
 
 
 @contextmanager
-def _hub_errors(req: hub_errors.HubRequest, token: str | bool | None) -> Iterator[None]:
+def _explained_failures(req: hub_errors.HubRequest, token: str | bool | None) -> Iterator[None]:
     try:
         yield
     except (DownloadError, _Cancelled):

@@ -130,12 +130,14 @@ class MoeConfig:
     scale_words: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m") + (("block_k2",) if self.block_k2 else ()):
+        sizes = ("block_m", "block_n1", "block_n2", "block_k", "group_m") + (("block_k2",) if self.block_k2 else ())
+        for name in sizes:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
         if min(self.block_k, self.gemm2_block_k) < VALUES_PER_BLOCK:
-            raise ValueError(f"MoeConfig.block_k/block_k2 must be >= {VALUES_PER_BLOCK}, got {self.block_k}/{self.block_k2}")
+            raise ValueError(f"MoeConfig.block_k/block_k2 must be >= {VALUES_PER_BLOCK}, "
+                             f"got {self.block_k}/{self.block_k2}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
