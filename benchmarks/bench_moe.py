@@ -179,15 +179,6 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "stages4": {"num_stages": 4},
     "r96": {"maxnreg": 96},  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
     "k128-free": {"block_k": 128, "maxnreg": 0},  # 141 registers: 7 programs per SM
-    "g2-k128": {"block_k2": 128, "maxnreg2": 0},  # gemm2 alone with K step 128, no cap (142 registers)
-    # The prefill tiles where pick_config takes decode tiles (16 to 32 rows per expert since session 13)
-    "prefill-tiles": {"regime": "prefill", "block_m": 32, "block_n1": 64, "block_n2": 128, "block_k": 64,
-                      "num_warps": 8, "num_stages": 3, "maxnreg": 0, "split_k": 1, "swap_ab": True, "block_m1": 32,
-                      "scale_words": True, "fused_router": False},
-    # The decode tiles where pick_config takes prefill tiles (before session 13: from 16 rows per expert)
-    "decode-tiles": {"regime": "decode", "block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64,
-                     "num_warps": 2, "num_stages": 3, "maxnreg": 128, "split_k": 1, "swap_ab": False,
-                     "scale_words": False, "block_m1": 0},
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
@@ -198,8 +189,19 @@ VARIANTS_BY_TOKENS = {
 }
 
 
-def _variant_config(base, variant: str | dict):
-    """pick_config's choice with a named variant's switches (or explicit fields) applied."""
+# Either regime's tiles (kernels.moe_matmul.regime_config) where pick_config takes the other one,
+# e.g. the decode tiles past DECODE_MAX_ROWS_PER_EXPERT rows per expert.
+REGIME_VARIANTS = {"decode-tiles": "decode", "prefill-tiles": "prefill"}
+
+
+def _variant_config(case: Case, variant: str | dict):
+    """pick_config's choice with a named variant's switches (or explicit fields) applied, or the
+    named regime's tiles for this case."""
+    from gptoss_cli.kernels.moe_matmul import pick_config, regime_config
+
+    if isinstance(variant, str) and variant in REGIME_VARIANTS:
+        return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k)
+    base = pick_config(case.tokens, case.experts, case.top_k)
     return dataclasses.replace(base, **(VARIANTS[variant] if isinstance(variant, str) else variant))
 
 
@@ -211,7 +213,7 @@ def _kernels(st: _Setup, variant):
 
     case, r, ws = st.case, st.routing, st.weights
     base = pick_config(case.tokens, case.experts, case.top_k)
-    cfg = _variant_config(base, variant)
+    cfg = _variant_config(case, variant)
     same_tiles = cfg.block_m == base.block_m
     if not same_tiles:  # a variant with other tile heights needs its own tile table
         from gptoss_cli.kernels.moe_routing import route
@@ -340,7 +342,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also sweep group-dot tile settings at decode")
     parser.add_argument("--tokens", type=int, nargs="+", help="only the cases with these token counts")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="these variants for every case")
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *REGIME_VARIANTS],
+                        help="these variants for every case")
     parser.add_argument("--row-group", type=int, help="MoeWeights.row_group of the weights (default: the kernels')")
     args = parser.parse_args()
     if args.smoke:

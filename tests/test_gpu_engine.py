@@ -194,9 +194,9 @@ def test_128_experts_like_120b_match_reference():
     from gptoss_cli.runtime.random_checkpoint import build_random_weights, random_config
 
     cfg = dataclasses.replace(random_config("tiny"), num_local_experts=128)
-    weights = lambda: build_random_weights(cfg, seed=9, device=DEVICE)  # noqa: E731 - the engine takes over its tensors
-    ref128 = ReferenceModel(weights(), dtype=torch.float32)
-    eng = GpuEngine(weights(), max_batch=1, max_step_tokens=64, block_size=16, kv_memory_bytes=16 << 20,
+    # Two builds: the engine takes over the tensors it is given.
+    ref128 = ReferenceModel(build_random_weights(cfg, seed=9, device=DEVICE), dtype=torch.float32)
+    eng = GpuEngine(build_random_weights(cfg, seed=9, device=DEVICE), max_batch=1, max_step_tokens=64, block_size=16, kv_memory_bytes=16 << 20,
                     max_context=128, cuda_graphs=DEVICE == "cuda", dtype=str(DTYPE).removeprefix("torch."))
     p = _prompt(12, 51)
     tol = 1e-3 if DEVICE == "cuda" else 1e-4

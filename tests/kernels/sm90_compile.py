@@ -91,33 +91,28 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
-def _decode_tiles(num_tokens: int, fmt: str = "asm-folded", **changes):
-    """pick_config's decode tiles at `num_tokens` (16 rows, asm dequantisation, even/odd K), with
-    `changes` to its fields: gemm1 and gemm2 under the config's warps and register caps. Each K
-    step's scales must reach shared memory through cp.async like the weights (no byte-wide global
-    load: one waited on inside every step was the 4-warp tiles' top stall), and a cap must not spill."""
-    import dataclasses
-
+def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
+    """pick_config's decode tiles at `num_tokens` (16 rows, asm dequantisation, even/odd K): gemm1 and
+    gemm2 under the config's warps and register cap. Each K step's scales must reach shared memory
+    through cp.async like the weights (no byte-wide global load: one waited on inside every step was
+    the 4-warp tiles' top stall), and the cap must not spill."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
 
-    config = dataclasses.replace(mm.pick_config(num_tokens, 32, 4), **changes)
+    config = mm.pick_config(num_tokens, 32, 4)
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
-    common = {"BLOCK_M": config.block_m, "GROUP_M": config.group_m, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": config.operands, "SCALE_WORDS": False,
-              "ROW_GROUP": mm.ROW_GROUP}
-    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    caps = {"gemm1": mm._register_cap(config), "gemm2": mm._register_cap(config, gemm2=True)}
+    common = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
+              "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False,
+              "OPERANDS": config.operands, "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages, "maxnreg": config.maxnreg}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1, "BLOCK_K": config.block_k},
-                      **launch, **caps["gemm1"])
+                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1}, **launch)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2, "BLOCK_K": config.gemm2_block_k},
-                      **launch, **caps["gemm2"])
+                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2}, **launch)
     for name, kernel in (("gemm1", g1), ("gemm2", g2)):
-        if caps[name]:
+        if config.maxnreg:
             _no_spills(kernel, name)
         if "LDG.E.U8" in sass(kernel) or "LDG.E.U16" in sass(kernel):
             raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
@@ -258,7 +253,6 @@ CASES = {
     "decode-tiles-2-tokens": lambda: _decode_tiles(2),
     "decode-tiles-64-tokens": lambda: _decode_tiles(64),
     "decode-tiles-64-tokens-unfolded": lambda: _decode_tiles(64, fmt="asm"),
-    "decode-tiles-64-tokens-gemm2-k128": lambda: _decode_tiles(64, block_k2=128, maxnreg2=0),
     "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),

@@ -238,10 +238,9 @@ def test_prepare_rejects_bad_weights():
 
 
 @pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED,
-                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True),
-                                    dataclasses.replace(DECODE, block_k2=32, maxnreg2=0)],
+                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True)],
                          ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced",
-                              "prefill-swapped-scale-words", "decode-gemm2-k32"])
+                              "prefill-swapped-scale-words"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -512,10 +511,6 @@ def test_pick_config_regimes():
     assert small.block_m < large.block_m == 256  # tiles grow with rows per expert
     with pytest.raises(ValueError):
         MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=16)
-    for bad in (16, 48):  # gemm2's own K step: a power of two, whole 32-value groups
-        with pytest.raises(ValueError, match="block_k2"):
-            MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=64, block_k2=bad)
-    assert MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=64, block_k2=128).gemm2_block_k == 128
 
 
 def test_quantised_weights_round_trip(device):
@@ -557,8 +552,8 @@ def test_real_shapes_bf16(tokens, variant):
 
 @requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"split_k": 2}, {"num_warps": 1, "maxnreg": 0},
-                                     {"num_warps": 4, "block_n2": 64, "maxnreg": 80}, {"block_k2": 128, "maxnreg2": 0}],
-                         ids=["default", "split-k", "1-warp", "4-warps", "gemm2-k128"])
+                                     {"num_warps": 4, "block_n2": 64, "maxnreg": 80}],
+                         ids=["default", "split-k", "1-warp", "4-warps"])
 @pytest.mark.parametrize("tokens", [2, 16, 64, 256])
 def test_real_shapes_bf16_decode_tiles(tokens, variant):
     # pick_config's 2-warp tiles and their neighbours (bench_moe variants), a few rows per expert.

@@ -80,11 +80,6 @@ class MoeConfig:
     # Register cap per thread for the tiled kernels (0 = the compiler's choice): fewer registers,
     # more resident programs per SM.
     maxnreg: int = 0
-    # The tiled gemm2's own K step and register cap (0 / None: block_k / maxnreg; maxnreg2 = 0: no
-    # cap). H200, 20b T=64 (session 13): gemm2 with K step 128 and no cap 74.1 -> 60.5 us per layer,
-    # but 120b T=64 116.3 against 108.2; not picked until measured over more step sizes.
-    block_k2: int = 0
-    maxnreg2: int | None = None
     use_dot_scaled: bool = False  # GPU only: tl.dot_scaled on the packed bytes (ignored by the interpreter)
     fast_math: bool = False  # tl.dot_scaled's fast_math
     # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
@@ -130,14 +125,12 @@ class MoeConfig:
     scale_words: bool = False
 
     def __post_init__(self) -> None:
-        sizes = ("block_m", "block_n1", "block_n2", "block_k", "group_m") + (("block_k2",) if self.block_k2 else ())
-        for name in sizes:
+        for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
-        if min(self.block_k, self.gemm2_block_k) < VALUES_PER_BLOCK:
-            raise ValueError(f"MoeConfig.block_k/block_k2 must be >= {VALUES_PER_BLOCK}, "
-                             f"got {self.block_k}/{self.block_k2}")
+        if self.block_k < VALUES_PER_BLOCK:
+            raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
@@ -150,11 +143,6 @@ class MoeConfig:
         """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved" (tl.dot_scaled's tiles
         ignore it: they read the packed bytes as they are)."""
         return "swapped" if self.swap_ab else "even_odd" if self.even_odd else "interleaved"
-
-    @property
-    def gemm2_block_k(self) -> int:
-        """The tiled gemm2's K step."""
-        return self.block_k2 or self.block_k
 
     @property
     def gemm1_rows(self) -> int:
@@ -176,7 +164,15 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         wide = 64 if _interpreting() else 0
         return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
                          gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
-    if per_expert <= DECODE_MAX_ROWS_PER_EXPERT:
+    return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
+                         num_experts, top_k)
+
+
+def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+    """pick_config's tiles of `regime` ("decode" or "prefill") for a step of num_tokens > 1, whether
+    or not pick_config would take that regime there (bench_moe compares them)."""
+    per_expert = num_tokens * top_k / num_experts
+    if regime == "decode":
         # 2 warps per program: a K step's scales (128 weight rows x 2 groups) are then 4 bytes per
         # thread, cp.async's minimum, so they travel in the weights' pipeline ring; with 4 warps
         # they were a 1-2 byte load waited on inside every step (ncu: 42-47 % of the stall
@@ -307,10 +303,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
 
 
-def _register_cap(config: MoeConfig, gemm2: bool = False) -> dict:
-    """The launch's maxnreg option where the config caps registers (gemm2: maxnreg2 if set)."""
-    cap = config.maxnreg if not gemm2 or config.maxnreg2 is None else config.maxnreg2
-    return {"maxnreg": cap} if cap else {}
+def _register_cap(config: MoeConfig) -> dict:
+    """The launch's maxnreg option where the config caps registers."""
+    return {"maxnreg": config.maxnreg} if config.maxnreg else {}
 
 
 def _scale_words(config: MoeConfig, block_rows: int) -> bool:
@@ -776,12 +771,11 @@ def moe_gemm2(
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2), ROW_GROUP=w.row_group,
-        OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
-        **_register_cap(config, gemm2=True),
+        OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
     )  # fmt: skip
     return y
 
