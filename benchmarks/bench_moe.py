@@ -113,11 +113,18 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     dt, t, k, c = torch.bfloat16, case.tokens, case.top_k, case.hidden
     torch.manual_seed(0)  # the same routing (and bytes) in every run, so runs compare
     x = torch.randn(t, c, device=device).to(dt)
-    rw = (torch.randn(case.experts, c, device=device) / c**0.5).to(dt)
-    rb = torch.randn(case.experts, device=device).to(dt)
+    # The router spread of the random checkpoints the engine runs (runtime/random_checkpoint.py:
+    # weights std 2/sqrt(C), bias std 0.2), so rows spread over the experts as in `gptoss bench`.
+    # Until session 13 the bias had std 1, which made some experts far more popular: tiles held
+    # more rows than the engine's, and tile choices measured here did not carry over (session 14).
+    rw = (torch.randn(case.experts, c, device=device) * (2 / c**0.5)).to(dt)
+    rb = (torch.randn(case.experts, device=device) * 0.2).to(dt)
     logits = x @ rw.T + rb
     routing = route(logits, k, pick_config(t, case.experts, k).block_m)
-    touched = int(torch.unique(routing.topk_ids).numel())  # host sync, outside every timing
+    counts = torch.bincount(routing.topk_ids.flatten().long(), minlength=case.experts)  # host syncs, outside
+    touched = int((counts > 0).sum())                                                      # every timing
+    print(f"# {case.model} T={t}: {touched} experts touched, rows per expert max {int(counts.max())}, "
+          f"{int(torch.ceil(counts / routing.block_m).sum())} tiles of {routing.block_m}", flush=True)
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
     grouping = {} if row_group is None else {"row_group": row_group}
@@ -131,6 +138,8 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     )  # fmt: skip
 
 
+# Tile specs for both gemms: gemm2's own K step and register cap (MoeConfig.block_k2 / maxnreg2) unset.
+BOTH_GEMMS = {"block_k2": 0, "maxnreg2": None}
 GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: the
@@ -149,7 +158,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "w4": {"num_warps": 4, "block_n1": 32, "block_n2": 64},
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
     "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
-    "regs-free": {"maxnreg": 0},  # decode tiles without the register cap (before session 8)
+    "regs-free": {"maxnreg": 0} | BOTH_GEMMS,  # decode tiles without the register cap (before session 8)
     "byte-scales": {"scale_words": False},  # prefill tiles: scales as bytes, outside the cp.async ring (before session 11)
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
@@ -162,23 +171,35 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
-    "k128": {"block_k": 128},
-    "k256": {"block_k": 256},
-    "n32-k128": {"block_n1": 32, "block_n2": 32, "block_k": 128},
+    "k128": {"block_k": 128} | BOTH_GEMMS,
+    "k256": {"block_k": 256} | BOTH_GEMMS,
+    "n32-k128": {"block_n1": 32, "block_n2": 32, "block_k": 128} | BOTH_GEMMS,
     "f16-n2-32": {"block_n2": 32},
     # Session 12's decode tiles: 4 warps, whose K steps load 1-2 scale bytes per thread, below
     # cp.async's minimum, so every step waited on them (from 4 rows per expert; 32-column ones below,
     # with split_k 2 at <= 1 row per expert).
-    "s12-tiles": {"block_n1": 64, "block_n2": 64, "block_k": 64, "num_warps": 4, "maxnreg": 80, "split_k": 1},
-    "s12-tiles32": {"block_n1": 32, "block_n2": 32, "block_k": 128, "num_warps": 4, "maxnreg": 96, "split_k": 1},
+    "s12-tiles": {"block_n1": 64, "block_n2": 64, "block_k": 64, "num_warps": 4, "maxnreg": 80, "split_k": 1}
+    | BOTH_GEMMS,
+    "s12-tiles32": {"block_n1": 32, "block_n2": 32, "block_k": 128, "num_warps": 4, "maxnreg": 96, "split_k": 1}
+    | BOTH_GEMMS,
     # Other tile specs with >= 4 scale bytes per thread and step (session 13): one warp, or 4 warps
     # on twice the rows; and the default's gemm2 split in two along K.
-    "t64w1": {"block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 1, "maxnreg": 0, "split_k": 1},
-    "t128w4": {"block_n1": 128, "block_n2": 256, "block_k": 64, "num_warps": 4, "maxnreg": 0, "split_k": 1},
+    "t64w1": {"block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 1, "maxnreg": 0, "split_k": 1} | BOTH_GEMMS,
+    "t128w4": {"block_n1": 128, "block_n2": 256, "block_k": 64, "num_warps": 4, "maxnreg": 0, "split_k": 1}
+    | BOTH_GEMMS,
     "split2": {"split_k": 2},
     "stages4": {"num_stages": 4},
-    "r96": {"maxnreg": 96},  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
-    "k128-free": {"block_k": 128, "maxnreg": 0},  # 141 registers: 7 programs per SM
+    "r96": {"maxnreg": 96} | BOTH_GEMMS,  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
+    # Both gemms' K step and register cap (block_k2 / maxnreg2 unset): K step 128 without a cap (141
+    # registers: 7 programs per SM), and session 13's K step 64 under a cap of 128 everywhere.
+    "k128-free": {"block_k": 128, "maxnreg": 0} | BOTH_GEMMS,
+    "s13-tiles": {"block_m": 16, "block_k": 64, "maxnreg": 128} | BOTH_GEMMS,
+    # Half the rows at K step 128: still 4 scale bytes per thread, 102 registers, 9 programs per SM.
+    "t32k128": {"block_n1": 32, "block_n2": 64, "block_k": 128, "maxnreg": 0} | BOTH_GEMMS,
+    # 32-row tiles (2 warps, no cap: 187 / 213 registers): at ~32 rows per expert each weight tile
+    # is dequantised once instead of once per 16-row tile.
+    "m32": {"block_m": 32, "block_k": 64, "maxnreg": 0} | BOTH_GEMMS,
+    "m32-t32k128": {"block_m": 32, "block_n1": 32, "block_n2": 64, "block_k": 128, "maxnreg": 0} | BOTH_GEMMS,
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
@@ -274,7 +295,12 @@ def _bench_case(case: Case, device: str, variants: list[str], row_group: int | N
     if not variants:  # the GPU table: 20b compares variants, 120b runs the default only
         variants = VARIANTS_BY_TOKENS[case.tokens] if case.model == "20b" else ["default"]
     for variant in variants:
-        rows += [_measure(case, name, variant, *rest, device) for name, *rest in _kernels(st, variant)]
+        try:
+            kernels = _kernels(st, variant)
+        except ValueError as exc:  # a variant that does not apply to this case's tiles
+            rows.append({**_row(case, "-", variant, "-", math.nan, 0, 0), "error": repr(exc)[:200]})
+            continue
+        rows += [_measure(case, name, variant, *rest, device) for name, *rest in kernels]
     combine_bytes = slots * c * 4 + case.tokens * c * 2
     rows.append(_measure(case, "combine", "-", base, combine, 1, combine_bytes, slots * c, device))
     return rows

@@ -103,17 +103,18 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
     config = mm.pick_config(num_tokens, 32, 4)
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
-    common = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
+    common = {"BLOCK_M": config.block_m, "GROUP_M": config.group_m,
               "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False,
               "OPERANDS": config.operands, "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
-    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages, "maxnreg": config.maxnreg}
+    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1}, **launch)
+                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1, "BLOCK_K": config.block_k},
+                      maxnreg=config.maxnreg, **launch)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2}, **launch)
+                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2, "BLOCK_K": config.gemm2_block_k},
+                      maxnreg=config.gemm2_maxnreg, **launch)
     for name, kernel in (("gemm1", g1), ("gemm2", g2)):
-        if config.maxnreg:
-            _no_spills(kernel, name)
+        _no_spills(kernel, name)
         if "LDG.E.U8" in sass(kernel) or "LDG.E.U16" in sass(kernel):
             raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
 
@@ -251,6 +252,8 @@ CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
     "decode-tiles-2-tokens": lambda: _decode_tiles(2),
+    "decode-tiles-48-tokens": lambda: _decode_tiles(48),
+    "decode-tiles-256-tokens": lambda: _decode_tiles(256),
     "decode-tiles-64-tokens": lambda: _decode_tiles(64),
     "decode-tiles-64-tokens-unfolded": lambda: _decode_tiles(64, fmt="asm"),
     "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),

@@ -238,9 +238,10 @@ def test_prepare_rejects_bad_weights():
 
 
 @pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED,
-                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True)],
+                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True),
+                                    dataclasses.replace(DECODE, block_k=32, block_k2=64)],
                          ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced",
-                              "prefill-swapped-scale-words"])
+                              "prefill-swapped-scale-words", "decode-gemm2-own-k-step"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -260,11 +261,11 @@ def test_stages_match_twins(device, config, tokens, experts, hidden, inter, top_
     assert_close(out.float(), moe_combine_ref(y, top_k, dtype).float(), combine_tol, "combine")
 
 
-@pytest.mark.parametrize("split_k", [2, 3])  # 3 with K = 96 and 64-wide K steps leaves one split empty
-@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
-                         [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])
-def test_split_k_matches_twins(device, split_k, tokens, experts, hidden, inter, top_k, dtype):
-    config = dataclasses.replace(DECODE, split_k=split_k)
+@pytest.mark.parametrize("split_k,block_k2", [(2, 0), (3, 0), (2, 32)])  # 3 with K = 96 and 64-wide K steps
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",   # leaves one split empty; block_k2 32:
+                         [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])  # gemm2's own step
+def test_split_k_matches_twins(device, split_k, block_k2, tokens, experts, hidden, inter, top_k, dtype):
+    config = dataclasses.replace(DECODE, split_k=split_k, block_k2=block_k2)
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
@@ -511,6 +512,26 @@ def test_pick_config_regimes():
     assert small.block_m < large.block_m == 256  # tiles grow with rows per expert
     with pytest.raises(ValueError):
         MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=16)
+    with pytest.raises(ValueError, match="block_k2"):
+        MoeConfig("decode", block_m=16, block_n1=32, block_n2=32, block_k=32, block_k2=48)
+
+
+def test_pick_config_decode_tile_changes():
+    # 32 experts: gemm2 alone takes K steps of 128 without a register cap at 5-7 rows per expert, and
+    # from 16 rows per expert both take 32-row tiles without a cap; elsewhere (and at 128 experts)
+    # 16-row tiles, K steps of 64, a cap of 128.
+    def tiles(tokens, experts):
+        c = pick_config(tokens, experts, 4)
+        return c.block_m, (c.block_k, c.maxnreg), (c.gemm2_block_k, c.gemm2_maxnreg)
+
+    short, long = (64, 128), (128, 0)
+    for tokens in (2, 8, 16, 32, 64, 96):
+        assert tiles(tokens, 32) == (16, short, short), tokens
+    assert tiles(48, 32) == (16, short, long)
+    assert tiles(128, 32) == tiles(256, 32) == (32, (64, 0), (64, 0))
+    assert all(tiles(t, 128) == (16, short, short) for t in (2, 8, 16, 32, 48, 64, 256))
+    plain = pick_config(64, 32, 4)
+    assert plain.block_k2 == 0 and plain.maxnreg2 is None  # variants that set block_k reach both gemms
 
 
 def test_quantised_weights_round_trip(device):
@@ -551,10 +572,11 @@ def test_real_shapes_bf16(tokens, variant):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"split_k": 2}, {"num_warps": 1, "maxnreg": 0},
-                                     {"num_warps": 4, "block_n2": 64, "maxnreg": 80}],
-                         ids=["default", "split-k", "1-warp", "4-warps"])
-@pytest.mark.parametrize("tokens", [2, 16, 64, 256])
+@pytest.mark.parametrize("variant", [{}, {"split_k": 2}, {"num_warps": 1, "maxnreg": 0, "block_k2": 0, "maxnreg2": None},
+                                     {"num_warps": 4, "block_n2": 64, "maxnreg": 80, "block_k2": 0, "maxnreg2": None},
+                                     {"block_k": 128, "maxnreg": 0, "block_k2": 0, "maxnreg2": None}],
+                         ids=["default", "split-k", "1-warp", "4-warps", "k128"])
+@pytest.mark.parametrize("tokens", [2, 16, 48, 64, 128, 256])
 def test_real_shapes_bf16_decode_tiles(tokens, variant):
     # pick_config's 2-warp tiles and their neighbours (bench_moe variants), a few rows per expert.
     _check_real_shapes_bf16(tokens, variant)

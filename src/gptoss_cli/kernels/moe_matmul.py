@@ -123,14 +123,22 @@ class MoeConfig:
     # they join the weights' cp.async ring (offline SASS). pick_config turns it on for prefill
     # tiles (H200, session 11: 20b TTFT 4k 81.7 -> 75.7 ms).
     scale_words: bool = False
+    # gemm2's own K step and register cap (0 / None: block_k / maxnreg): the decode tiles' best K
+    # step differs between the two matmuls at some step sizes (_decode_tile_changes).
+    block_k2: int = 0
+    maxnreg2: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
-        if self.block_k < VALUES_PER_BLOCK:
-            raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
+        for name in ("block_k", "block_k2"):
+            v = getattr(self, name)
+            if name == "block_k2" and v == 0:
+                continue
+            if v < VALUES_PER_BLOCK or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name} must be a power of two >= {VALUES_PER_BLOCK}, got {v}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
@@ -143,6 +151,14 @@ class MoeConfig:
         """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved" (tl.dot_scaled's tiles
         ignore it: they read the packed bytes as they are)."""
         return "swapped" if self.swap_ab else "even_odd" if self.even_odd else "interleaved"
+
+    @property
+    def gemm2_block_k(self) -> int:
+        return self.block_k2 or self.block_k
+
+    @property
+    def gemm2_maxnreg(self) -> int:
+        return self.maxnreg if self.maxnreg2 is None else self.maxnreg2
 
     @property
     def gemm1_rows(self) -> int:
@@ -168,6 +184,26 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
                          num_experts, top_k)
 
 
+def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
+    """Where the decode tiles depart from 16 rows, K step 64 and a cap of 128 registers, measured in
+    the engine (H200, profile_decode, session 14; the kernel-level wins of bench_moe's earlier,
+    bias-skewed routing did not all carry over, docs/optimizations.md). 32 experts only: 120b's
+    128 were slower both ways at every step size measured (bench_moe, 2 to 256 tokens).
+    - >= 16 rows per expert: 32-row tiles (187 / 213 registers, no spills; 5 / 4 programs per SM),
+      so each weight tile is dequantised once per 32 rows. bench_moe, 20b per layer: T=128 267.2 ->
+      246.4 us, T=256 381.8 -> 365.0.
+    - 5 to 7 rows per expert: gemm2 takes K steps of 128 without a cap (142 registers). Engine, 20b
+      batch 48: gemm2 74.5 -> 63.9 us per layer, step 6.209 -> 5.929 ms; at batch 64 (8 rows) it was
+      2.2 us slower, at batches 8-16 (with gemm1 too) 3-10 % slower."""
+    if num_experts > 32:
+        return {}
+    if per_expert >= 16:
+        return {"block_m": 32, "maxnreg": 0}
+    if 5 <= per_expert < 8:
+        return {"block_k2": 128, "maxnreg2": 0}
+    return {}
+
+
 def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """pick_config's tiles of `regime` ("decode" or "prefill") for a step of num_tokens > 1, whether
     or not pick_config would take that regime there (bench_moe compares them)."""
@@ -182,8 +218,9 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) ->
         # 128 registers: 9 programs per SM, no spills (offline sm_90). At <= 1 row per expert gemm2
         # is split in two along K for more programs in flight (20b T=4: 25.8 -> 21.6 us; 120b T=8:
         # 56.7 -> 39.4).
-        return MoeConfig("decode", 16, 64, 128, 64, num_warps=2, num_stages=3, asm_dequant=True, maxnreg=128,
-                         split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS)
+        tiles = {"block_m": 16, "maxnreg": 128} | _decode_tile_changes(per_expert, num_experts)
+        return MoeConfig("decode", block_n1=64, block_n2=128, block_k=64, num_warps=2, num_stages=3, asm_dequant=True,
+                         split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS, **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty
@@ -303,9 +340,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
 
 
-def _register_cap(config: MoeConfig) -> dict:
-    """The launch's maxnreg option where the config caps registers."""
-    return {"maxnreg": config.maxnreg} if config.maxnreg else {}
+def _register_cap(maxnreg: int) -> dict:
+    """The launch's maxnreg option where the config caps registers (0: no cap)."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
 
 
 def _scale_words(config: MoeConfig, block_rows: int) -> bool:
@@ -749,7 +786,7 @@ def moe_gemm1_swiglu(
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1),
         SUB_M=slices, ROW_GROUP=w.row_group, num_warps=config.num_warps, num_stages=config.num_stages,
-        **_register_cap(config),
+        **_register_cap(config.maxnreg),
     )  # fmt: skip
     return act
 
@@ -771,11 +808,12 @@ def moe_gemm2(
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2), ROW_GROUP=w.row_group,
-        OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages, **_register_cap(config),
+        OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
+        **_register_cap(config.gemm2_maxnreg),
     )  # fmt: skip
     return y
 
