@@ -261,9 +261,10 @@ def test_stages_match_twins(device, config, tokens, experts, hidden, inter, top_
     assert_close(out.float(), moe_combine_ref(y, top_k, dtype).float(), combine_tol, "combine")
 
 
-@pytest.mark.parametrize("split_k,block_k2", [(2, 0), (3, 0), (2, 32)])  # 3 with K = 96 and 64-wide K steps
-@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",   # leaves one split empty; block_k2 32:
-                         [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])  # gemm2's own step
+# split_k 3 with K = 96 and 64-wide K steps leaves one split empty; block_k2 32: gemm2's own K step.
+@pytest.mark.parametrize("split_k,block_k2", [(2, 0), (3, 0), (2, 32)])
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,dtype",
+                         [(1, 4, 96, 96, 4, torch.float32), (5, 6, 64, 96, 3, torch.bfloat16)])
 def test_split_k_matches_twins(device, split_k, block_k2, tokens, experts, hidden, inter, top_k, dtype):
     config = dataclasses.replace(DECODE, split_k=split_k, block_k2=block_k2)
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
