@@ -92,10 +92,10 @@ def _combine_norm():
 
 
 def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
-    """pick_config's decode tiles at `num_tokens` (16 rows, asm dequantisation, even/odd K): gemm1 and
-    gemm2 under the config's warps and register cap. Each K step's scales must reach shared memory
-    through cp.async like the weights (no byte-wide global load: one waited on inside every step was
-    the 4-warp tiles' top stall), and the cap must not spill."""
+    """pick_config's decode tiles at `num_tokens` (asm dequantisation, even/odd K; 16 or 32 rows):
+    gemm1 and gemm2 under the config's warps, each with its own K step and register cap. Each K
+    step's scales must reach shared memory through cp.async like the weights (no byte-wide global
+    load: one waited on inside every step was the 4-warp tiles' top stall), and neither may spill."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
