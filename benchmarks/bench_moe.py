@@ -160,6 +160,15 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
     "regs-free": {"maxnreg": 0} | BOTH_GEMMS,  # decode tiles without the register cap (before session 8)
     "byte-scales": {"scale_words": False},  # prefill tiles: scales as bytes, outside the cp.async ring (before session 11)
+    # The scale words' unpack (MoeConfig.scale_unpack), the same in both gemms
+    "scale-join": {"scale_unpack": "join", "scale_unpack2": ""},
+    "scale-gather": {"scale_unpack": "gather", "scale_unpack2": ""},
+    "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
+    "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
+    # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
+    # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096
+    # (session 15, shifted scale words): gemm1 1,482 -> 1,853 us; ncu had L2 at 51 %, not the limit.
+    "g1-n128": {"block_n1": 128},
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
@@ -206,7 +215,7 @@ VARIANTS_BY_TOKENS = {
     1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
-    4096: ["default", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
+    4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
 
 

@@ -105,13 +105,15 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": config.block_m, "GROUP_M": config.group_m,
               "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "A_FORMAT": fmt, "FAST_MATH": False,
-              "OPERANDS": config.operands, "SCALE_WORDS": False, "ROW_GROUP": mm.ROW_GROUP}
+              "OPERANDS": config.operands, "SCALES": "bytes", "ROW_GROUP": mm.ROW_GROUP}
     launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
-                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1, "BLOCK_K": config.block_k},
+                      common | {"TOP_K": 4, "SUB_M": 1, "BLOCK_N": config.block_n1, "BLOCK_K": config.block_k,
+                                "EVEN_K": 2880 % config.block_k == 0},
                       maxnreg=config.maxnreg, **launch)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2, "BLOCK_K": config.gemm2_block_k},
+                      common | {"SPLIT_K": config.split_k, "BLOCK_N": config.block_n2, "BLOCK_K": config.gemm2_block_k,
+                                "EVEN_K": 2880 % config.gemm2_block_k == 0},
                       maxnreg=config.gemm2_maxnreg, **launch)
     for name, kernel in (("gemm1", g1), ("gemm2", g2)):
         _no_spills(kernel, name)
@@ -119,10 +121,20 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
             raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
 
 
-def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_words: bool = False):
-    """pick_config's prefill tiles (weights as wgmma's register operand) at a given tile height;
-    gemm1 takes tiles taller than 128 rows in 128-row slices. With `scale_words` (MoeConfig.scale_words)
-    the scales must reach shared memory through cp.async like the weights: no byte-wide global load."""
+def _loop_body(text: str) -> str:
+    """The SASS of a kernel's longest backward branch (its main K loop)."""
+    rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    loops = [(int(t.group(1), 16), a) for a, ins in rows if (t := re.search(r"BRA\s+0x([0-9a-f]+)", ins))]
+    start, end = max(((s, e) for s, e in loops if s < e), key=lambda se: se[1] - se[0])
+    return "\n".join(ins for a, ins in rows if start <= a <= end)
+
+
+def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales: tuple[str, str] = ("bytes", "bytes")):
+    """Prefill tiles (weights as wgmma's register operand) at a given tile height; gemm1 takes tiles
+    taller than 128 rows in 128-row slices. `scales`: gemm1's and gemm2's SCALES (_scale_mode). Words
+    must reach shared memory through cp.async like the weights (no byte-wide global load); with
+    "join" gemm1's dequantised tile must reach the wgmmas without a shared-memory round trip
+    (no 4-matrix ldmatrix in its K loop) and the wgmmas must overlap (no wait for all of them inside it)."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -130,18 +142,20 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scale_w
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": block_m, "BLOCK_K": 64, "GROUP_M": 8, "DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32",
-              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "SCALE_WORDS": scale_words,
-              "ROW_GROUP": mm.ROW_GROUP}
+              "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "ROW_GROUP": mm.ROW_GROUP, "EVEN_K": True}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
-                                "SUB_M": max(1, block_m // 128)},
+                                "SUB_M": max(1, block_m // 128), "SCALES": scales[0]},
                       num_warps=8, num_stages=num_stages)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
-                      common | {"BLOCK_N": 128, "SPLIT_K": 1}, num_warps=8, num_stages=num_stages)
-    for name, kernel in (("gemm1", g1), ("gemm2", g2)):
+                      common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1]}, num_warps=8, num_stages=num_stages)
+    for name, kernel, mode in (("gemm1", g1, scales[0]), ("gemm2", g2, scales[1])):
         byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load
-        if num_stages > 1 and byte_loads == scale_words:
-            raise RuntimeError(f"{name}: scale_words={scale_words} but byte-wide global loads: {byte_loads}")
+        if num_stages > 1 and byte_loads != (mode == "bytes"):
+            raise RuntimeError(f"{name}: scales {mode!r} but byte-wide global loads: {byte_loads}")
+        loop = _loop_body(sass(kernel))
+        if mode == "join" and ("LDSM.16.M88.4" in loop or "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop):
+            raise RuntimeError(f"{name}: joined scale words, but the K loop has ldmatrix or serialised wgmmas")
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
@@ -262,8 +276,9 @@ CASES = {
     "prefill-swapped-128": lambda: _prefill(128),
     "prefill-swapped-256": lambda: _prefill(256),
     "prefill-swapped-128-1-stage": lambda: _prefill(128, num_stages=1),
-    "prefill-swapped-256-scale-words": lambda: _prefill(256, scale_words=True),
-    "prefill-swapped-128-scale-words": lambda: _prefill(128, scale_words=True),
+    "prefill-swapped-256-scale-words": lambda: _prefill(256, scales=("join", "gather")),
+    "prefill-swapped-128-scale-words": lambda: _prefill(128, scales=("join", "gather")),
+    "prefill-swapped-64-scale-words": lambda: _prefill(64, scales=("shift", "shift")),
     "decode-attention-min-chunk": _decode_min_chunk,
     "decode-step-bookkeeping": _decode_step,
     "gemv1-asm": lambda: _gemv("gemv1"),

@@ -48,6 +48,7 @@ PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32,
 PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
 PREFILL_SLICED = dataclasses.replace(PREFILL_SWAPPED, block_m1=16)  # gemm1 in two slices per routing tile
 DECODE_INTERLEAVED = dataclasses.replace(DECODE, even_odd=False)  # one dot over interleaved K (before session 7)
+PREFILL_4096 = pick_config(4096, 32, 4)  # the GPU's prefill tiles at real shapes (joined / gathered scale words)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
 
@@ -239,9 +240,13 @@ def test_prepare_rejects_bad_weights():
 
 @pytest.mark.parametrize("config", [DECODE, DECODE_INTERLEAVED, PREFILL, PREFILL_SWAPPED, PREFILL_SLICED,
                                     dataclasses.replace(PREFILL_SWAPPED, scale_words=True),
+                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True, scale_unpack="join",
+                                                        scale_unpack2="gather"),
+                                    dataclasses.replace(PREFILL_SWAPPED, scale_words=True, scale_unpack="gather"),
                                     dataclasses.replace(DECODE, block_k=32, block_k2=64)],
                          ids=["decode", "decode-interleaved", "prefill", "prefill-swapped", "prefill-sliced",
-                              "prefill-swapped-scale-words", "decode-gemm2-own-k-step"])
+                              "prefill-swapped-scale-words", "prefill-swapped-scale-join-gather",
+                              "prefill-swapped-scale-gather", "decode-gemm2-own-k-step"])
 @pytest.mark.parametrize(
     "tokens,experts,hidden,inter,top_k,dtype",
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 96, 96, 4, torch.float32)],
@@ -503,6 +508,12 @@ def test_pick_config_regimes():
     # ~128 rows per expert take 256-row tiles too (one tile per expert despite the spread); 64 do not
     assert (pick_config(4096, 128, 4).block_m, pick_config(4096, 128, 4).gemm1_rows) == (256, 128)
     assert pick_config(2048, 128, 4).block_m == 64
+    # The scale words: joined in gemm1 and gathered in gemm2 from 128-row tiles, shifted below
+    big, small = pick_config(4096, 32, 4), pick_config(2048, 128, 4)
+    assert (big.scale_unpack, big.gemm2_scale_unpack) == ("join", "gather")
+    assert (small.scale_unpack, small.gemm2_scale_unpack) == ("shift", "shift")
+    with pytest.raises(ValueError, match="scale_unpack"):
+        dataclasses.replace(big, scale_unpack="bytes")
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):
@@ -584,8 +595,11 @@ def test_real_shapes_bf16_decode_tiles(tokens, variant):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False}],
-                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales"])
+@pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False},
+                                     {"scale_unpack": "gather", "scale_unpack2": ""},
+                                     {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False}],
+                         ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales", "scale-gather",
+                              "scale-shift", "masked-k"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 
@@ -621,10 +635,13 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
                                     dataclasses.replace(DECODE_INTERLEAVED, asm_dequant=True),
                                     dataclasses.replace(GEMV, asm_dequant=True), GEMV,
                                     dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True),
-                                    pick_config(4096, 32, 4),
-                                    dataclasses.replace(pick_config(4096, 32, 4), scale_words=False)],
+                                    PREFILL_4096,
+                                    dataclasses.replace(PREFILL_4096, scale_words=False),
+                                    dataclasses.replace(PREFILL_4096, scale_unpack="gather", scale_unpack2=""),
+                                    dataclasses.replace(PREFILL_4096, scale_unpack="shift", scale_unpack2="")],
                          ids=["asm", "fp32deq", "asm-interleaved", "gemv-asm", "gemv-fp32deq", "gemv-f16",
-                              "prefill-swapped-asm-scale-words", "prefill-swapped-asm-byte-scales"])
+                              "prefill-swapped-asm-scale-words", "prefill-swapped-asm-byte-scales",
+                              "prefill-swapped-asm-scale-gather", "prefill-swapped-asm-scale-shift"])
 @pytest.mark.parametrize("max_scale", [240, FOLD_MAX_SCALE], ids=["two-multiplies", "folded"])
 def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
     # The packed-bf16 (inline asm) path: one-hot bf16 activations return weight columns exactly.

@@ -60,6 +60,7 @@ BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
 # 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
 # per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
 DECODE_MAX_ROWS_PER_EXPERT = 32
+SCALE_UNPACKS = ("join", "gather", "shift")  # MoeConfig.scale_unpack
 COMBINE_BLOCK = 256  # columns per combine program
 COMBINE_TOKENS = 16  # tokens per combine program
 
@@ -127,6 +128,16 @@ class MoeConfig:
     # step differs between the two matmuls at some step sizes (_decode_tile_changes).
     block_k2: int = 0
     maxnreg2: int | None = None
+    # With scale_words, how gemm1 / gemm2 turn the words into bytes (_scale_tile; "" for gemm2: as
+    # gemm1): "join", "gather" or "shift". pick_config's choices per tile height come from H200
+    # measurements (session 15, docs/optimizations.md).
+    scale_unpack: str = "shift"
+    scale_unpack2: str = ""
+    # Skip the K masks where K is a whole number of K steps (real shapes with K step 64): the
+    # loads' predicates become loop-invariant. Offline sm_90: prefill gemm1 loop 253 -> 239
+    # instructions, decode tiles at T=64 468 -> 446 (gemm1) and 472 -> 444 (gemm2). H200, bench_moe
+    # per layer (session 15): decode 1-3 % faster (120b T=64 541.7 -> 526.4 us), prefill ~0-1 %.
+    even_k: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -141,6 +152,9 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
             raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
+        for name in ("scale_unpack", "scale_unpack2"):
+            if getattr(self, name) not in SCALE_UNPACKS + ("",) * (name == "scale_unpack2"):
+                raise ValueError(f"MoeConfig.{name} must be one of {SCALE_UNPACKS}, got {getattr(self, name)!r}")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
 
@@ -157,6 +171,10 @@ class MoeConfig:
     @property
     def gemm2_maxnreg(self) -> int:
         return self.maxnreg if self.maxnreg2 is None else self.maxnreg2
+
+    @property
+    def gemm2_scale_unpack(self) -> str:
+        return self.scale_unpack2 or self.scale_unpack
 
     @property
     def gemm1_rows(self) -> int:
@@ -233,9 +251,16 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) ->
     # of the two warpgroups dequantises its own 64. gemm2 gains from 256-row tiles, gemm1 loses,
     # so gemm1 takes them in 128-row slices. Scales as int32 words in the cp.async ring: H200, 20b
     # TTFT of a 4k prompt 81.7 -> 75.7 ms (session 11).
+    # How the scale words become bytes (MoeConfig.scale_unpack; H200, bench_moe per layer, session 15),
+    # against session 11's shifts: from 128-row tiles gemm1 joins (20b T=4096 1,501 -> 1,454 us, 120b
+    # 1,966 -> 1,881) and gemm2 gathers (20b 879 -> 854 us, 120b 1,327 -> 1,274); TTFT of a 4k prompt
+    # 20b 76.6 -> 73.0 ms, 120b 150.4 -> 143.8. 64-row tiles keep the shifts (120b T=2048: joins took
+    # gemm1 1,432 -> 1,574 us and gemm2 758 -> 833, gathers gemm2 to 790).
+    unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
+        **unpack,
     )  # fmt: skip
 
 
@@ -344,11 +369,12 @@ def _register_cap(maxnreg: int) -> dict:
     return {"maxnreg": maxnreg} if maxnreg else {}
 
 
-def _scale_words(config: MoeConfig, block_rows: int) -> bool:
-    """SCALE_WORDS of a tiled kernel whose programs take `block_rows` weight rows: the swapped prefill
-    tiles, when those come in whole quads. Weight row counts are hidden or 2 * intermediate, both
-    multiples of 32 (each is some matmul's K), so every quad's scale word is 4-byte aligned."""
-    return config.scale_words and config.swap_ab and block_rows % 4 == 0
+def _scale_mode(config: MoeConfig, block_rows: int, unpack: str) -> str:
+    """SCALES of a tiled kernel whose programs take `block_rows` weight rows: words unpacked the
+    config's way (`unpack`) for the swapped prefill tiles when those come in whole quads, else
+    bytes. Weight row counts are hidden or 2 * intermediate, both multiples of 32 (each is some
+    matmul's K), so every quad's scale word is 4-byte aligned."""
+    return unpack if config.scale_words and config.swap_ab and block_rows % 4 == 0 else "bytes"
 
 
 def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool = False) -> str:
@@ -547,47 +573,82 @@ def _row_offsets(wrows, stride_wn, ROW_GROUP: tl.constexpr, UNIT: tl.constexpr =
 
 
 @triton.jit
+def _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCALES: tl.constexpr):
+    """(pointers, advance per K step, mask) of the first K step's scales of `wrows`: one per byte for
+    "bytes", one per aligned int32 word for the word modes (_scale_mode): per row for "gather", per
+    quad of rows (wrows run in aligned quads) for "join" and "shift"."""
+    if SCALES == "bytes":
+        ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
+        step = (BLOCK_K // 32) * stride_sg
+        ok = wrow_ok
+    elif SCALES == "gather":
+        ptrs = (s_base + g[None, :] * stride_sg + (wrows // 4 * 4)[:, None]).to(tl.pointer_type(tl.int32))
+        step = (BLOCK_K // 32) * (stride_sg // 4)
+        ok = wrow_ok
+    else:
+        quad = tl.min(tl.reshape(wrows, (BLOCK_N // 4, 4)), axis=1)  # first row of each quad
+        ok = tl.max(tl.reshape(wrow_ok.to(tl.int32), (BLOCK_N // 4, 4)), axis=1) > 0
+        ptrs = (s_base + g[None, :] * stride_sg + quad[:, None]).to(tl.pointer_type(tl.int32))
+        step = (BLOCK_K // 32) * (stride_sg // 4)
+    return ptrs, step, ok
+
+
+@triton.jit
+def _scale_tile(ptrs, ok, g_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALES: tl.constexpr):
+    """One K step's scales [BLOCK_N, BLOCK_K // 32] u8 from _scale_pointers' pointers. The word modes
+    give the same bytes; they differ in the layouts Triton's layout pass then picks (offline sm_90,
+    docs/optimizations.md, session 15): with "join" (constant shifts, joined) the dequantised weights
+    reach wgmma without a trip through shared memory and the 4 wgmmas of a step overlap; any shift by
+    a range tensor ("shift", "gather") makes the pass convert the dequantised tile instead."""
+    if SCALES == "bytes":
+        tile = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
+    else:
+        words = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
+        if SCALES == "gather":  # wrows start at a multiple of 4
+            tile = ((words >> (8 * (tl.arange(0, BLOCK_N) % 4))[:, None]) & 0xFF).to(tl.uint8)
+        elif SCALES == "shift":
+            shifts = (8 * tl.arange(0, 4))[None, :, None]
+            tile = tl.reshape((words[:, None, :] >> shifts) & 0xFF, (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
+        else:
+            low = tl.join(words & 0xFF, (words >> 8) & 0xFF)
+            high = tl.join((words >> 16) & 0xFF, (words >> 24) & 0xFF)
+            tile = tl.reshape(tl.permute(tl.join(low, high), (0, 3, 2, 1)), (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
+    return tile
+
+
+@triton.jit
 def _mx_matmul(
     a_ptrs, a_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
-    SCALE_WORDS: tl.constexpr, ROW_GROUP: tl.constexpr,
+    SCALES: tl.constexpr, ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 = A[:, :K] @ W[wrows, :K]^T with W packed MXFP4 (module docstring).
     "swapped" OPERANDS accumulate the transpose (MoeConfig.swap_ab), transposed back at the end.
 
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
-    32-group granularity are exact. Out-of-range rows and columns read as 0. SCALE_WORDS: wrows runs
-    in aligned quads of consecutive rows (see _scale_words).
+    32-group granularity are exact. Out-of-range rows and columns read as 0. SCALES: _scale_mode;
+    EVEN_K: K is a multiple of BLOCK_K, so no step needs a K mask.
     """
     g = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
     # Pointers are built once and advanced: the loop body does no per-element index math.
     blk_ptrs = (w_base + _row_offsets(wrows, stride_wn, ROW_GROUP)[:, None, None]
                 + g[None, :, None] * (BLOCK_BYTES * ROW_GROUP) + tl.arange(0, 16)[None, None, :])
-    if SCALE_WORDS:
-        quad = tl.min(tl.reshape(wrows, (BLOCK_N // 4, 4)), axis=1)  # first row of each quad
-        quad_ok = tl.max(tl.reshape(wrow_ok.to(tl.int32), (BLOCK_N // 4, 4)), axis=1) > 0
-        scl_ptrs = (s_base + g[None, :] * stride_sg + quad[:, None]).to(tl.pointer_type(tl.int32))
-        scl_step = (BLOCK_K // 32) * (stride_sg // 4)
-    else:
-        scl_ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
-        scl_step = (BLOCK_K // 32) * stride_sg
+    scl_ptrs, scl_step, scl_ok = _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N, BLOCK_K, SCALES)
     if OPERANDS == "swapped":
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         left = K - k0
+        if EVEN_K:  # the loads' predicates then stay loop-invariant
+            left = BLOCK_K
         a = tl.load(a_ptrs, mask=a_row_ok[:, None] & (kk < left)[None, :], other=0.0)
         g_ok = g < left // 32
         blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-        if SCALE_WORDS:
-            words = tl.load(scl_ptrs, mask=quad_ok[:, None] & g_ok[None, :], other=0)  # [BLOCK_N // 4, G]
-            shifts = (8 * tl.arange(0, 4))[None, :, None]
-            scl = tl.reshape((words[:, None, :] >> shifts) & 0xFF, (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
-        else:
-            scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
+        scl = _scale_tile(scl_ptrs, scl_ok, g_ok, BLOCK_N, BLOCK_K, SCALES)
         acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS)
         a_ptrs += BLOCK_K
         blk_ptrs += (BLOCK_K // 32) * BLOCK_BYTES * ROW_GROUP
@@ -606,8 +667,8 @@ def _gemm1_swiglu_kernel(
     num_tiles, hidden, inter, limit, alpha,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
-    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr, SCALE_WORDS: tl.constexpr,
-    ROW_GROUP: tl.constexpr,
+    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr, SCALES: tl.constexpr,
+    ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
     slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -627,8 +688,8 @@ def _gemm1_swiglu_kernel(
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
-        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
-        ROW_GROUP,
+        BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
+        ROW_GROUP, EVEN_K,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -647,7 +708,8 @@ def _gemm2_kernel(
     num_tiles, num_rows, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
-    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALE_WORDS: tl.constexpr, ROW_GROUP: tl.constexpr,
+    SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -662,8 +724,8 @@ def _gemm2_kernel(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP,
         s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
         cols, col_ok, k_len, stride_wn, stride_sg,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALE_WORDS,
-        ROW_GROUP,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
+        ROW_GROUP, EVEN_K,
     )  # fmt: skip
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
@@ -783,8 +845,9 @@ def moe_gemm1_swiglu(
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=config.operands, SCALE_WORDS=_scale_words(config, 2 * config.block_n1),
-        SUB_M=slices, ROW_GROUP=w.row_group, num_warps=config.num_warps, num_stages=config.num_stages,
+        OPERANDS=config.operands, SCALES=_scale_mode(config, 2 * config.block_n1, config.scale_unpack),
+        SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.maxnreg),
     )  # fmt: skip
     return act
@@ -810,7 +873,8 @@ def moe_gemm2(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k, SCALE_WORDS=_scale_words(config, config.block_n2), ROW_GROUP=w.row_group,
+        SPLIT_K=config.split_k, SCALES=_scale_mode(config, config.block_n2, config.gemm2_scale_unpack),
+        ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.gemm2_maxnreg),
     )  # fmt: skip
