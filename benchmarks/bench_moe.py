@@ -128,7 +128,8 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
     grouping = {} if row_group is None else {"row_group": row_group}
-    weights = [prepare_moe_weights(*_random_layer(case, device), **grouping) for _ in range(layers)]
+    # frag_scales: the fragment-order copy of gate_up's scales, for the `scale-frag` variant
+    weights = [prepare_moe_weights(*_random_layer(case, device), frag_scales=True, **grouping) for _ in range(layers)]
     return _Setup(
         case, x, rw, rb, logits, routing, weights, MoeWorkspace.allocate(t, weights[0], k, dt, device),
         act=torch.empty(t * k, case.inter, dtype=dt, device=device),
@@ -164,6 +165,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "scale-join": {"scale_unpack": "join", "scale_unpack2": ""},
     "scale-gather": {"scale_unpack": "gather", "scale_unpack2": ""},
     "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
+    # gemm1 on fragment-order scale words (MoeWeights.w1_scales_frag): no conversion at all (offline)
+    "scale-frag": {"scale_unpack": "frag"},
     "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096

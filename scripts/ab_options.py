@@ -12,6 +12,8 @@ decode after a 128-token prompt (batch 1, or --batch).
 --prefill-moe: MoeConfig fields for steps of more than 64 tokens (e.g. scale_words=1). Prompt
 steps run eagerly, so the defaults and these fields alternate on side A's engines: TTFT of a
 4,096-token prompt, each time a new prompt (no prefix-cache hits).
+--base: GpuEngineConfig fields of every side, A included (e.g. moe_frag_scales=1, which the
+prefill field scale_unpack=frag needs).
 Prints one row per measurement and a summary of medians per side.
 """
 
@@ -84,6 +86,7 @@ def main() -> int:
     parser.add_argument("--model", default="20b", choices=["tiny", "20b", "120b"])
     parser.add_argument("--engine", nargs="*", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--prefill-moe", nargs="*", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--base", nargs="*", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="decode batch (each request its own seed)")
     parser.add_argument("--prompt", type=int, default=4096, help="TTFT prompt length")
@@ -103,7 +106,8 @@ def main() -> int:
     for rnd in range(args.rounds):
         for side, (options, moe_changes) in sides.items():
             decode_moe.changes, decode_moe.on = moe_changes, True
-            eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=args.batch, **options)
+            eng = GpuEngine(random_weights(args.model, device="cuda"), max_batch=args.batch,
+                            **(engine_options(args.base) | options))
             decode[side].append(_bench_engine(f"{side} round {rnd}", eng, args.batch, 128, 256))
             decode_moe.on = False
             if prefill.changes and side == "A":

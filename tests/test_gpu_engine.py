@@ -57,6 +57,32 @@ def test_prefill_logits_match_reference(engine, ref):
     assert max_rel_err(got, want) <= tol
 
 
+def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
+    # The engine with MoeWeights.w1_scales_frag (GpuEngineConfig.moe_frag_scales) and prefill tiles
+    # whose gemm1 reads them (MoeConfig.scale_unpack "frag", off by default): same logits.
+    import dataclasses
+
+    from gptoss_cli.kernels import moe
+
+    pick, frag_steps = moe.pick_config, []
+
+    def pick_frag(t, e, k):
+        config = pick(t, e, k)
+        if not config.swap_ab:
+            return config
+        frag_steps.append(t)
+        return dataclasses.replace(config, scale_unpack="frag")
+
+    monkeypatch.setattr(moe, "pick_config", pick_frag)
+    eng = _engine(moe_frag_scales=True)
+    assert eng.runner.model.w.layers[0].experts.w1_scales_frag is not None
+    p = _prompt(150, 1)
+    got = eng.score(p)
+    assert frag_steps  # the prompt ran on the prefill tiles
+    want = ref.forward([(p, ref.new_cache())], all_logits=True)
+    assert max_rel_err(got, want) <= (1e-3 if DEVICE == "cuda" else 1e-4)
+
+
 def test_greedy_batched_matches_reference_and_single(engine, ref):
     prompts = [_prompt(n, n) for n in (3, 40)]
     start = engine.free_blocks()

@@ -133,8 +133,9 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
     """Prefill tiles (weights as wgmma's register operand) at a given tile height; gemm1 takes tiles
     taller than 128 rows in 128-row slices. `scales`: gemm1's and gemm2's SCALES (_scale_mode). Words
     must reach shared memory through cp.async like the weights (no byte-wide global load); with
-    "join" gemm1's dequantised tile must reach the wgmmas without a shared-memory round trip
-    (no 4-matrix ldmatrix in its K loop) and the wgmmas must overlap (no wait for all of them inside it)."""
+    "join" or "frag" gemm1's dequantised tile must reach the wgmmas without a shared-memory round
+    trip (no 4-matrix ldmatrix in its K loop) and the wgmmas must overlap (no wait for all of them
+    inside it); with "frag" the scale tile needs no conversion either (at most 3 barriers per step)."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -154,8 +155,10 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
         if num_stages > 1 and byte_loads != (mode == "bytes"):
             raise RuntimeError(f"{name}: scales {mode!r} but byte-wide global loads: {byte_loads}")
         loop = _loop_body(sass(kernel))
-        if mode == "join" and ("LDSM.16.M88.4" in loop or "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop):
-            raise RuntimeError(f"{name}: joined scale words, but the K loop has ldmatrix or serialised wgmmas")
+        if mode in ("join", "frag") and ("LDSM.16.M88.4" in loop or "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop):
+            raise RuntimeError(f"{name}: {mode} scale words, but the K loop has ldmatrix or serialised wgmmas")
+        if mode == "frag" and loop.count("BAR.SYNC") > 3:  # "join" has 7: its scale tile is converted
+            raise RuntimeError(f"{name}: fragment-order scale words, but {loop.count('BAR.SYNC')} barriers per K step")
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
@@ -279,6 +282,7 @@ CASES = {
     "prefill-swapped-256-scale-words": lambda: _prefill(256, scales=("join", "gather")),
     "prefill-swapped-128-scale-words": lambda: _prefill(128, scales=("join", "gather")),
     "prefill-swapped-64-scale-words": lambda: _prefill(64, scales=("shift", "shift")),
+    "prefill-swapped-256-scale-frag": lambda: _prefill(256, scales=("frag", "gather")),
     "decode-attention-min-chunk": _decode_min_chunk,
     "decode-step-bookkeeping": _decode_step,
     "gemv1-asm": lambda: _gemv("gemv1"),

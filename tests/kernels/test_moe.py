@@ -48,6 +48,8 @@ PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32,
 PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
 PREFILL_SLICED = dataclasses.replace(PREFILL_SWAPPED, block_m1=16)  # gemm1 in two slices per routing tile
 DECODE_INTERLEAVED = dataclasses.replace(DECODE, even_odd=False)  # one dot over interleaved K (before session 7)
+# gemm1 reading MoeWeights.w1_scales_frag (K step 64, 128 weight rows per program)
+PREFILL_FRAG = dataclasses.replace(PREFILL_SWAPPED, block_k=64, scale_words=True, scale_unpack="frag")
 PREFILL_4096 = pick_config(4096, 32, 4)  # the GPU's prefill tiles at real shapes (joined / gathered scale words)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
@@ -226,6 +228,32 @@ def test_asm_format_follows_config_and_weights(monkeypatch):
     assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, False) == "asm"
     assert moe_matmul._dot_scaled_format(dataclasses.replace(asm, fold_scales=False), torch.bfloat16, True) == "asm"
     assert moe_matmul._dot_scaled_format(asm, torch.float32, True) == ""
+
+
+def test_fragment_scales_layout():
+    # w1_scales_frag[e, j, n] = (scale of row n, group 2j; group 2j + 1), an odd last group paired with 0
+    b1, s1, c1, b2, s2, c2 = _raw_weights(2, 96, 32, "cpu")  # 3 groups of 32 along gate_up's K
+    frag = prepare_moe_weights(b1, s1, c1, b2, s2, c2, frag_scales=True).w1_scales_frag
+    assert frag.shape == (2, 2, 64, 2) and frag.is_contiguous()
+    assert torch.equal(frag[:, 0], s1[:, :, 0:2]) and torch.equal(frag[:, 1, :, 0], s1[:, :, 2])
+    assert not frag[:, 1, :, 1].any()
+    assert prepare_moe_weights(b1, s1, c1, b2, s2, c2).w1_scales_frag is None
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,hidden,inter,top_k,dtype",
+    [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 128, 96, 4, torch.float32)],
+)
+def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_k, dtype):
+    # gemm1 reading fragment-order scales with its rows permuted inside 16-row blocks; hidden 96
+    # leaves the last K step half padding, inter 96 a half-empty second column block.
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), frag_scales=True)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, PREFILL_FRAG.block_m)
+    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, PREFILL_FRAG)
+    assert_close(act.float(), moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702).float(), _tol(dtype, device), "gemm1 frag")
+    with pytest.raises(ValueError, match="frag_scales"):
+        moe_gemm1_swiglu(x, r, dataclasses.replace(w, w1_scales_frag=None), 3.0, 1.702, PREFILL_FRAG)
 
 
 def test_prepare_rejects_bad_weights():
@@ -514,6 +542,11 @@ def test_pick_config_regimes():
     assert (small.scale_unpack, small.gemm2_scale_unpack) == ("shift", "shift")
     with pytest.raises(ValueError, match="scale_unpack"):
         dataclasses.replace(big, scale_unpack="bytes")
+    with pytest.raises(ValueError, match="scale_unpack2"):
+        dataclasses.replace(big, scale_unpack2="frag")
+    with pytest.raises(ValueError, match="block_k 64"):
+        dataclasses.replace(big, scale_unpack="frag", block_k=128)
+    assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="").gemm2_scale_unpack == "join"
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):

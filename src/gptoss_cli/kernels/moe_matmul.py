@@ -17,6 +17,10 @@ Weight layout (prepare_moe_weights, a one-time re-layout, nothing dequantised):
                           78 % with 16-row, 512-byte steps; benchmarks/bench_weight_stream.py).
                           R = 1 is the checkpoint's row-major order;
   scales [E, K/32, N] u8: transposed so one 32-group's scales for a run of rows are contiguous;
+  w1_scales_frag [E, C/64, 2I, 2] u8 (optional, prepare_moe_weights(frag_scales=True)): gate_up's
+                          scales again, each row's two 32-groups of a 64-wide K step side by side,
+                          so one int32 word holds rows 2q, 2q + 1 x both groups: exactly one
+                          thread's scales in the prefill gemm1 tile (MoeConfig.scale_unpack "frag");
   biases [E, N] fp32.
 Dequantisation in registers (the portable path): nibble s|e1 e0|m moved to fp16 bits 15 and
 11..9 is exactly FP4_VALUES[nibble] * 2**-14 (e = 0 lands on fp16 subnormals, which GPUs keep),
@@ -60,7 +64,7 @@ BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
 # 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
 # per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
 DECODE_MAX_ROWS_PER_EXPERT = 32
-SCALE_UNPACKS = ("join", "gather", "shift")  # MoeConfig.scale_unpack
+SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack ("frag": gemm1 only)
 COMBINE_BLOCK = 256  # columns per combine program
 COMBINE_TOKENS = 16  # tokens per combine program
 
@@ -130,7 +134,9 @@ class MoeConfig:
     maxnreg2: int | None = None
     # With scale_words, how gemm1 / gemm2 turn the words into bytes (_scale_tile; "" for gemm2: as
     # gemm1): "join", "gather" or "shift". pick_config's choices per tile height come from H200
-    # measurements (session 15, docs/optimizations.md).
+    # measurements (session 15, docs/optimizations.md). "frag" (gemm1, K step 64, weights with
+    # MoeWeights.w1_scales_frag): one word per thread and step, gemm1's weight rows permuted within
+    # each 16-row block to match; written and checked offline in session 15, not yet measured.
     scale_unpack: str = "shift"
     scale_unpack2: str = ""
     # Skip the K masks where K is a whole number of K steps (real shapes with K step 64): the
@@ -152,9 +158,13 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
             raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
-        for name in ("scale_unpack", "scale_unpack2"):
-            if getattr(self, name) not in SCALE_UNPACKS + ("",) * (name == "scale_unpack2"):
-                raise ValueError(f"MoeConfig.{name} must be one of {SCALE_UNPACKS}, got {getattr(self, name)!r}")
+        if self.scale_unpack not in SCALE_UNPACKS:
+            raise ValueError(f"MoeConfig.scale_unpack must be one of {SCALE_UNPACKS}, got {self.scale_unpack!r}")
+        if self.scale_unpack2 not in ("", "join", "gather", "shift"):
+            raise ValueError(f"MoeConfig.scale_unpack2 must be '', 'join', 'gather' or 'shift', "
+                             f"got {self.scale_unpack2!r}")
+        if self.scale_unpack == "frag" and (self.block_k != 64 or not self.swap_ab):
+            raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
 
@@ -174,7 +184,8 @@ class MoeConfig:
 
     @property
     def gemm2_scale_unpack(self) -> str:
-        return self.scale_unpack2 or self.scale_unpack
+        """gemm2's unpack: scale_unpack2, else gemm1's ("frag" words exist for gemm1 only: "join")."""
+        return self.scale_unpack2 or ("join" if self.scale_unpack == "frag" else self.scale_unpack)
 
     @property
     def gemm1_rows(self) -> int:
@@ -282,6 +293,7 @@ class MoeWeights:
     # Every scale byte <= FOLD_MAX_SCALE, so the asm may fold 2**126 into the scale (_fp4_pairs_bf16).
     fold_scales: bool = False
     row_group: int = 1
+    w1_scales_frag: torch.Tensor | None = None  # [E, ceil(C/64), 2I, 2] u8 (module docstring)
 
     @property
     def num_experts(self) -> int:
@@ -322,10 +334,12 @@ def prepare_moe_weights(
     w2_scales: torch.Tensor,
     w2_bias: torch.Tensor,
     row_group: int = ROW_GROUP,
+    frag_scales: bool = False,
 ) -> MoeWeights:
     """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes, in groups
     of `row_group` rows (module docstring; 1 keeps the checkpoint order, a view when contiguous;
-    a row count it does not divide falls back to 1), scales are transposed, biases become fp32."""
+    a row count it does not divide falls back to 1), scales are transposed, biases become fp32.
+    frag_scales: also gate_up's scales in fragment order (w1_scales_frag, 1/32 of gate_up's bytes)."""
     if w1_blocks.dim() != 4 or w2_blocks.dim() != 4:
         shapes = f"{tuple(w1_blocks.shape)}, {tuple(w2_blocks.shape)}"
         raise ValueError(f"expert blocks must be [E, N, K/32, 16], got {shapes}")
@@ -345,7 +359,17 @@ def prepare_moe_weights(
     w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK), row_group)
     # One host sync per layer, at load: real scales sit far below the bound (weights under 12).
     fold = max(int(w1_scales.max()), int(w2_scales.max())) <= FOLD_MAX_SCALE if w1_scales.numel() else True
-    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group)
+    frag = _fragment_scales(w1_scales) if frag_scales else None
+    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group, w1_scales_frag=frag)
+
+
+def _fragment_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Checkpoint scales [E, N, K/32] -> [E, ceil(K/64), N, 2]: the two 32-groups of each 64-wide K
+    step side by side per row (an odd last group gets a zero partner, whose K range the kernels mask)."""
+    e, n, groups = scales.shape
+    padded = torch.zeros(e, n, groups + groups % 2, dtype=scales.dtype, device=scales.device)
+    padded[:, :, :groups] = scales
+    return padded.view(e, n, -1, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _interpreting() -> bool:
@@ -573,12 +597,30 @@ def _row_offsets(wrows, stride_wn, ROW_GROUP: tl.constexpr, UNIT: tl.constexpr =
 
 
 @triton.jit
+def _frag_rows(first, BLOCK_N: tl.constexpr):
+    """Weight row of each dot row for "frag" scales: dot row 16a + 8h + i <-> weight row
+    16a + 2i + h, so a thread's two rows of a 16-row wgmma fragment (i and i + 8) are the adjacent
+    rows whose scales share one fragment-order word."""
+    d = tl.arange(0, BLOCK_N)
+    return first + (d // 16) * 16 + 2 * (d % 8) + (d % 16) // 8
+
+
+@triton.jit
 def _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SCALES: tl.constexpr):
     """(pointers, advance per K step, mask) of the first K step's scales of `wrows`: one per byte for
     "bytes", one per aligned int32 word for the word modes (_scale_mode): per row for "gather", per
-    quad of rows (wrows run in aligned quads) for "join" and "shift"."""
-    if SCALES == "bytes":
+    quad of rows (wrows run in aligned quads) for "join" and "shift", per pair of rows for "frag"
+    (s_base / stride_sg then address w1_scales_frag; wrows are _frag_rows of a block starting at a
+    multiple of 16)."""
+    if SCALES == "frag":
+        first = tl.min(wrows, axis=0)
+        ptrs = (s_base + 2 * first).to(tl.pointer_type(tl.int32)) + tl.arange(0, BLOCK_N // 2)
+        step = stride_sg // 4
+        # word q = 8a + i holds rows 2q, 2q + 1: dot rows 16a + i and 16a + 8 + i (_frag_rows)
+        ok = tl.max(tl.reshape(wrow_ok.to(tl.int32), (BLOCK_N // 16, 2, 8)), axis=1)
+        ok = tl.reshape(ok, (BLOCK_N // 2,)) > 0
+    elif SCALES == "bytes":
         ptrs = s_base + g[None, :] * stride_sg + wrows[:, None]
         step = (BLOCK_K // 32) * stride_sg
         ok = wrow_ok
@@ -603,6 +645,12 @@ def _scale_tile(ptrs, ok, g_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SC
     a range tensor ("shift", "gather") makes the pass convert the dequantised tile instead."""
     if SCALES == "bytes":
         tile = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
+    elif SCALES == "frag":  # both groups of the step are in the (padded) array: only rows mask
+        words = tl.load(ptrs, mask=ok, other=0)  # [BLOCK_N // 2]
+        low = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # row 2q: groups 0, 1
+        high = tl.join((words >> 16) & 0xFF, (words >> 24) & 0xFF)  # row 2q + 1
+        quads = tl.reshape(tl.join(low, high), (BLOCK_N // 16, 8, 2, 2))  # [a, i, group, h]
+        tile = tl.reshape(tl.permute(quads, (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
     else:
         words = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
         if SCALES == "gather":  # wrows start at a multiple of 4
@@ -684,7 +732,10 @@ def _gemm1_swiglu_kernel(
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
     a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
-    wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    if SCALES == "frag":
+        wrows = _frag_rows(nb * 2 * BLOCK_N, 2 * BLOCK_N)
+    else:
+        wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
         wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
@@ -692,6 +743,9 @@ def _gemm1_swiglu_kernel(
         ROW_GROUP, EVEN_K,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
+    if SCALES == "frag":  # back to weight-row order: [a, h, i] -> [a, i, h]
+        acc = tl.reshape(acc, (BLOCK_M, BLOCK_N // 8, 2, 8))
+        acc = tl.reshape(tl.permute(acc, (0, 1, 3, 2)), (BLOCK_M, 2 * BLOCK_N))
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     out = _swiglu(gate, up, limit, alpha)
@@ -837,15 +891,22 @@ def moe_gemm1_swiglu(
     if routing.max_tiles == 0:
         return act
     slices = config.block_m // config.gemm1_rows
+    scales_mode = _scale_mode(config, 2 * config.block_n1, config.scale_unpack)
+    scales = w.w1_scales
+    if scales_mode == "frag":
+        if w.w1_scales_frag is None or (2 * config.block_n1) % 16:
+            raise ValueError("MoeConfig.scale_unpack 'frag' needs prepare_moe_weights(frag_scales=True) "
+                             "and block_n1 % 8 == 0")
+        scales = w.w1_scales_frag
     _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1, slices)](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
-        w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
+        scales, scales.stride(0), scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=config.operands, SCALES=_scale_mode(config, 2 * config.block_n1, config.scale_unpack),
+        OPERANDS=config.operands, SCALES=scales_mode,
         SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.maxnreg),

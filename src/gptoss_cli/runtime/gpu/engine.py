@@ -54,6 +54,10 @@ class GpuEngineConfig:
     # Rows per contiguous group of the packed expert bytes (kernels.MoeWeights.row_group; 1 = the
     # checkpoint's row-major order): each K step of a MoE kernel then reads whole pieces.
     moe_row_group: int = ROW_GROUP
+    # Also gate_up's scales in fragment order (kernels.MoeWeights.w1_scales_frag, +1/32 of gate_up's
+    # bytes: 0.4 GB for 20b, 2.4 GB for 120b), for prefill tiles with MoeConfig.scale_unpack "frag".
+    # Off: that unpack is written and checked offline (session 15), not yet measured on a GPU.
+    moe_frag_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -76,7 +80,7 @@ class GpuEngine(Engine):
         device = weights.device
         check_device(device)
         dtype = getattr(torch, opts.dtype)
-        gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group)
+        gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group, opts.moe_frag_scales)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
                               opts.max_batch, opts.max_step_tokens, dtype.itemsize)
         self.kv_cache = KvCache(cfg, plan, opts.max_batch, device, dtype)

@@ -60,12 +60,14 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
     return 0
 
 
-def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: int) -> GpuWeights:
+def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: int,
+                    moe_frag_scales: bool = False) -> GpuWeights:
     """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
-    `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group)."""
+    `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group);
+    `moe_frag_scales`: also gate_up's fragment-order scales (kernels.MoeWeights.w1_scales_frag)."""
     cfg, t = weights.config, weights.tensors
     cast = lambda x: x.to(dtype).contiguous()  # noqa: E731
-    layers = [_layer(cfg, t, n, cast, moe_row_group) for n in range(cfg.num_hidden_layers)]
+    layers = [_layer(cfg, t, n, cast, moe_row_group, moe_frag_scales) for n in range(cfg.num_hidden_layers)]
     return GpuWeights(
         config=cfg,
         embed=cast(t.pop("model.embed_tokens.weight")),
@@ -75,7 +77,8 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: in
     )
 
 
-def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_group: int) -> LayerWeights:
+def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_group: int,
+           moe_frag_scales: bool) -> LayerWeights:
     p = f"model.layers.{n}."
     pop = lambda name: t.pop(p + name)  # noqa: E731
     qkv_w = cast(torch.cat([pop(f"self_attn.{x}_proj.weight") for x in "qkv"]))
@@ -83,7 +86,8 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_g
     experts = prepare_moe_weights(
         pop("mlp.experts.gate_up_proj_blocks"), pop("mlp.experts.gate_up_proj_scales"),
         pop("mlp.experts.gate_up_proj_bias"), pop("mlp.experts.down_proj_blocks"),
-        pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"), row_group=moe_row_group)
+        pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"), row_group=moe_row_group,
+        frag_scales=moe_frag_scales)
     return LayerWeights(
         attn_norm=pop("input_layernorm.weight").float(),
         qkv_w=qkv_w, qkv_b=qkv_b,
