@@ -153,7 +153,8 @@ class MoeConfig:
         if self.block_k < VALUES_PER_BLOCK:
             raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
         if self.block_k2 and (self.block_k2 < VALUES_PER_BLOCK or self.block_k2 & (self.block_k2 - 1)):
-            raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, got {self.block_k2}")
+            raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, "
+                             f"got {self.block_k2}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
@@ -637,6 +638,15 @@ def _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _word_bytes(words):
+    """The 4 bytes of each int32 word as two trailing dims [..., 2, 2]: byte 2s + t at [..., t, s].
+    Constant shifts and joins only, which Triton's layout pass carries through (_scale_tile)."""
+    low = tl.join(words & 0xFF, (words >> 8) & 0xFF)
+    high = tl.join((words >> 16) & 0xFF, (words >> 24) & 0xFF)
+    return tl.join(low, high)
+
+
+@triton.jit
 def _scale_tile(ptrs, ok, g_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALES: tl.constexpr):
     """One K step's scales [BLOCK_N, BLOCK_K // 32] u8 from _scale_pointers' pointers. The word modes
     give the same bytes; they differ in the layouts Triton's layout pass then picks (offline sm_90,
@@ -646,10 +656,8 @@ def _scale_tile(ptrs, ok, g_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SC
     if SCALES == "bytes":
         tile = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
     elif SCALES == "frag":  # both groups of the step are in the (padded) array: only rows mask
-        words = tl.load(ptrs, mask=ok, other=0)  # [BLOCK_N // 2]
-        low = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # row 2q: groups 0, 1
-        high = tl.join((words >> 16) & 0xFF, (words >> 24) & 0xFF)  # row 2q + 1
-        quads = tl.reshape(tl.join(low, high), (BLOCK_N // 16, 8, 2, 2))  # [a, i, group, h]
+        words = tl.load(ptrs, mask=ok, other=0)  # [BLOCK_N // 2]; bytes 2h + group: row 2q + h
+        quads = tl.reshape(_word_bytes(words), (BLOCK_N // 16, 8, 2, 2))  # [a, i, group, h]
         tile = tl.reshape(tl.permute(quads, (0, 3, 1, 2)), (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
     else:
         words = tl.load(ptrs, mask=ok[:, None] & g_ok[None, :], other=0)
@@ -658,10 +666,8 @@ def _scale_tile(ptrs, ok, g_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SC
         elif SCALES == "shift":
             shifts = (8 * tl.arange(0, 4))[None, :, None]
             tile = tl.reshape((words[:, None, :] >> shifts) & 0xFF, (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
-        else:
-            low = tl.join(words & 0xFF, (words >> 8) & 0xFF)
-            high = tl.join((words >> 16) & 0xFF, (words >> 24) & 0xFF)
-            tile = tl.reshape(tl.permute(tl.join(low, high), (0, 3, 2, 1)), (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
+        else:  # [quad, group, t, s]: row 4 * quad + 2s + t
+            tile = tl.reshape(tl.permute(_word_bytes(words), (0, 3, 2, 1)), (BLOCK_N, BLOCK_K // 32)).to(tl.uint8)
     return tile
 
 
