@@ -128,7 +128,7 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
     grouping = {} if row_group is None else {"row_group": row_group}
-    # frag_scales: the fragment-order copy of gate_up's scales, for the `scale-frag` variant
+    # frag_scales: the fragment-order copy of gate_up's scales, as the engine prepares them
     weights = [prepare_moe_weights(*_random_layer(case, device), frag_scales=True, **grouping) for _ in range(layers)]
     return _Setup(
         case, x, rw, rb, logits, routing, weights, MoeWorkspace.allocate(t, weights[0], k, dt, device),
@@ -165,7 +165,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "scale-join": {"scale_unpack": "join", "scale_unpack2": ""},
     "scale-gather": {"scale_unpack": "gather", "scale_unpack2": ""},
     "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
-    # gemm1 on fragment-order scale words (MoeWeights.w1_scales_frag): no conversion at all (offline)
+    # gemm1 on fragment-order scale words (MoeWeights.w1_scales_frag): the default from 128-row
+    # tiles since session 16; here also for the 64-row tiles, whose default keeps the shifts
     "scale-frag": {"scale_unpack": "frag"},
     "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
@@ -233,8 +234,8 @@ def _variant_config(case: Case, variant: str | dict):
     from gptoss_cli.kernels.moe_matmul import pick_config, regime_config
 
     if isinstance(variant, str) and variant in REGIME_VARIANTS:
-        return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k)
-    base = pick_config(case.tokens, case.experts, case.top_k)
+        return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k, frag_scales=True)
+    base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
     return dataclasses.replace(base, **(VARIANTS[variant] if isinstance(variant, str) else variant))
 
 
@@ -245,7 +246,7 @@ def _kernels(st: _Setup, variant):
     from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2
 
     case, r, ws = st.case, st.routing, st.weights
-    base = pick_config(case.tokens, case.experts, case.top_k)
+    base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
     cfg = _variant_config(case, variant)
     same_tiles = cfg.block_m == base.block_m
     if not same_tiles:  # a variant with other tile heights needs its own tile table
@@ -294,7 +295,7 @@ def _bench_case(case: Case, device: str, variants: list[str], row_group: int | N
     from gptoss_cli.kernels.moe_routing import route
 
     st = _setup(case, device, row_group)
-    base = pick_config(case.tokens, case.experts, case.top_k)
+    base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
     slots, c = case.tokens * case.top_k, case.hidden
 
     def routing():

@@ -41,8 +41,8 @@ class MoePatch:
         self.base, self.changes, self.tokens, self.on = moe.pick_config, changes, tokens, False
         moe.pick_config = self._pick
 
-    def _pick(self, num_tokens: int, num_experts: int, top_k: int):
-        cfg = self.base(num_tokens, num_experts, top_k)
+    def _pick(self, num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False):
+        cfg = self.base(num_tokens, num_experts, top_k, frag_scales)
         applies = self.on and num_tokens in self.tokens and moe_changes_apply(cfg, self.changes)
         return dataclasses.replace(cfg, **self.changes) if applies else cfg
 

@@ -58,29 +58,27 @@ def test_prefill_logits_match_reference(engine, ref):
 
 
 def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
-    # The engine with MoeWeights.w1_scales_frag (GpuEngineConfig.moe_frag_scales) and prefill tiles
-    # whose gemm1 reads them (MoeConfig.scale_unpack "frag", off by default): same logits.
-    import dataclasses
-
+    # The engine's weights hold gate_up's fragment-order scales (GpuEngineConfig.moe_frag_scales, on
+    # by default), and a prompt on the prefill tiles (8 experts, ~75 rows each: 128-row tiles) reads
+    # them in gemm1 (MoeConfig.scale_unpack "frag"): same logits.
     from gptoss_cli.kernels import moe
 
-    pick, frag_steps = moe.pick_config, []
+    pick, unpacks = moe.pick_config, []
 
-    def pick_frag(t, e, k):
-        config = pick(t, e, k)
-        if not config.swap_ab:
-            return config
-        frag_steps.append(t)
-        return dataclasses.replace(config, scale_unpack="frag")
+    def spy(t, e, k, frag_scales=False):
+        config = pick(t, e, k, frag_scales)
+        unpacks.append(config.scale_unpack)
+        return config
 
-    monkeypatch.setattr(moe, "pick_config", pick_frag)
-    eng = _engine(moe_frag_scales=True)
+    monkeypatch.setattr(moe, "pick_config", spy)
+    eng = _engine()
     assert eng.runner.model.w.layers[0].experts.w1_scales_frag is not None
     p = _prompt(150, 1)
     got = eng.score(p)
-    assert frag_steps  # the prompt ran on the prefill tiles
+    assert "frag" in unpacks  # the prompt ran on the prefill tiles with fragment-order scales
     want = ref.forward([(p, ref.new_cache())], all_logits=True)
     assert max_rel_err(got, want) <= (1e-3 if DEVICE == "cuda" else 1e-4)
+    assert _engine(moe_frag_scales=False).runner.model.w.layers[0].experts.w1_scales_frag is None
 
 
 def test_greedy_batched_matches_reference_and_single(engine, ref):

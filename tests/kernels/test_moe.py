@@ -540,6 +540,10 @@ def test_pick_config_regimes():
     big, small = pick_config(4096, 32, 4), pick_config(2048, 128, 4)
     assert (big.scale_unpack, big.gemm2_scale_unpack) == ("join", "gather")
     assert (small.scale_unpack, small.gemm2_scale_unpack) == ("shift", "shift")
+    # Weights with fragment-order words: gemm1 reads those from 128-row tiles; nothing else changes
+    assert pick_config(4096, 32, 4, frag_scales=True) == dataclasses.replace(big, scale_unpack="frag")
+    assert pick_config(2048, 128, 4, frag_scales=True) == small
+    assert pick_config(64, 32, 4, frag_scales=True) == pick_config(64, 32, 4)
     with pytest.raises(ValueError, match="scale_unpack"):
         dataclasses.replace(big, scale_unpack="bytes")
     with pytest.raises(ValueError, match="scale_unpack2"):
@@ -630,9 +634,10 @@ def test_real_shapes_bf16_decode_tiles(tokens, variant):
 @requires_gpu
 @pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False},
                                      {"scale_unpack": "gather", "scale_unpack2": ""},
-                                     {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False}],
+                                     {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False},
+                                     {"scale_unpack": "frag"}],
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales", "scale-gather",
-                              "scale-shift", "masked-k"])
+                              "scale-shift", "masked-k", "scale-frag"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 
@@ -658,7 +663,8 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
     rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
     config = dataclasses.replace(pick_config(tokens, experts, top_k), **variant)
-    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw), top_k, config=config)
+    w = prepare_moe_weights(*raw, frag_scales=config.scale_unpack == "frag")
+    got = moe_forward(x, rw, rb, w, top_k, config=config)
     want = moe_ref(x, rw, rb, *raw, top_k)
     assert rel_err(got, want) < 1e-2
 

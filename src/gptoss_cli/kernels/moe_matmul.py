@@ -136,7 +136,8 @@ class MoeConfig:
     # gemm1): "join", "gather" or "shift". pick_config's choices per tile height come from H200
     # measurements (session 15, docs/optimizations.md). "frag" (gemm1, K step 64, weights with
     # MoeWeights.w1_scales_frag): one word per thread and step, gemm1's weight rows permuted within
-    # each 16-row block to match; written and checked offline in session 15, not yet measured.
+    # each 16-row block to match, so the scale tile needs no conversion either (pick_config with
+    # frag_scales, from 128-row tiles).
     scale_unpack: str = "shift"
     scale_unpack2: str = ""
     # Skip the K masks where K is a whole number of K steps (real shapes with K step 64): the
@@ -194,8 +195,9 @@ class MoeConfig:
         return self.block_m1 or self.block_m
 
 
-def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
-    """Host-side heuristic: the regime and tile sizes from the expected rows per expert."""
+def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
+    """Host-side heuristic: the regime and tile sizes from the expected rows per expert.
+    `frag_scales`: the weights hold MoeWeights.w1_scales_frag, which the prefill gemm1 then reads."""
     per_expert = num_tokens * top_k / num_experts
     if num_tokens == 1:
         # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
@@ -209,7 +211,7 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
         return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
                          gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
-                         num_experts, top_k)
+                         num_experts, top_k, frag_scales)
 
 
 def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
@@ -233,7 +235,7 @@ def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
     return {}
 
 
-def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
     """pick_config's tiles of `regime` ("decode" or "prefill") for a step of num_tokens > 1, whether
     or not pick_config would take that regime there (bench_moe compares them)."""
     per_expert = num_tokens * top_k / num_experts
@@ -268,7 +270,9 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int) ->
     # 1,966 -> 1,881) and gemm2 gathers (20b 879 -> 854 us, 120b 1,327 -> 1,274); TTFT of a 4k prompt
     # 20b 76.6 -> 73.0 ms, 120b 150.4 -> 143.8. 64-row tiles keep the shifts (120b T=2048: joins took
     # gemm1 1,432 -> 1,574 us and gemm2 758 -> 833, gathers gemm2 to 790).
-    unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
+    # Where the weights hold fragment-order words, gemm1 reads those instead of joining (session 16:
+    # 20b T=4096 gemm1 1,453 -> 1,358 us, 120b 1,881 -> 1,754; TTFT of a 4k prompt 75.0 -> 72.2 ms).
+    unpack = {"scale_unpack": "frag" if frag_scales else "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,

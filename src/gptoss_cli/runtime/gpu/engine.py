@@ -55,9 +55,9 @@ class GpuEngineConfig:
     # checkpoint's row-major order): each K step of a MoE kernel then reads whole pieces.
     moe_row_group: int = ROW_GROUP
     # Also gate_up's scales in fragment order (kernels.MoeWeights.w1_scales_frag, +1/32 of gate_up's
-    # bytes: 0.4 GB for 20b, 2.4 GB for 120b), for prefill tiles with MoeConfig.scale_unpack "frag".
-    # Off: that unpack is written and checked offline (session 15), not yet measured on a GPU.
-    moe_frag_scales: bool = False
+    # bytes: 0.4 GB for 20b, 2.4 GB for 120b, taken from the KV cache), which the prefill gemm1 then
+    # reads. H200, 20b: TTFT of a 4k prompt 75.0 -> 72.2 ms (docs/performance.md, session 16).
+    moe_frag_scales: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
