@@ -165,9 +165,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "scale-join": {"scale_unpack": "join", "scale_unpack2": ""},
     "scale-gather": {"scale_unpack": "gather", "scale_unpack2": ""},
     "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
-    # gemm1 on fragment-order scale words (MoeWeights.w1_scales_frag): the default from 128-row
-    # tiles since session 16; here also for the 64-row tiles, whose default keeps the shifts
-    "scale-frag": {"scale_unpack": "frag"},
+    # Both gemms on fragment-order scale words (MoeWeights.w1_scales_frag / w2_scales_frag)
+    "scale-frag": {"scale_unpack": "frag", "scale_unpack2": "frag"},
     "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096

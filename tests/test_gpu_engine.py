@@ -58,16 +58,16 @@ def test_prefill_logits_match_reference(engine, ref):
 
 
 def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
-    # The engine's weights hold gate_up's fragment-order scales (GpuEngineConfig.moe_frag_scales, on
-    # by default), and a prompt on the prefill tiles (8 experts, ~75 rows each: 128-row tiles) reads
-    # them in gemm1 (MoeConfig.scale_unpack "frag"): same logits.
+    # The engine's weights hold the experts' fragment-order scales (GpuEngineConfig.moe_frag_scales,
+    # on by default), and a prompt on the prefill tiles (8 experts, ~75 rows each: 128-row tiles)
+    # reads them in both gemms (MoeConfig.scale_unpack / scale_unpack2 "frag"): same logits.
     from gptoss_cli.kernels import moe
 
     pick, unpacks = moe.pick_config, []
 
     def spy(t, e, k, frag_scales=False):
         config = pick(t, e, k, frag_scales)
-        unpacks.append(config.scale_unpack)
+        unpacks.append((config.scale_unpack, config.gemm2_scale_unpack))
         return config
 
     monkeypatch.setattr(moe, "pick_config", spy)
@@ -75,10 +75,11 @@ def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
     assert eng.runner.model.w.layers[0].experts.w1_scales_frag is not None
     p = _prompt(150, 1)
     got = eng.score(p)
-    assert "frag" in unpacks  # the prompt ran on the prefill tiles with fragment-order scales
+    assert ("frag", "frag") in unpacks  # the prompt ran on the prefill tiles with fragment-order scales
     want = ref.forward([(p, ref.new_cache())], all_logits=True)
     assert max_rel_err(got, want) <= (1e-3 if DEVICE == "cuda" else 1e-4)
-    assert _engine(moe_frag_scales=False).runner.model.w.layers[0].experts.w1_scales_frag is None
+    plain = _engine(moe_frag_scales=False).runner.model.w.layers[0].experts
+    assert plain.w1_scales_frag is None and plain.w2_scales_frag is None
 
 
 def test_greedy_batched_matches_reference_and_single(engine, ref):

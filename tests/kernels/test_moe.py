@@ -48,8 +48,9 @@ PREFILL = MoeConfig("prefill", block_m=32, block_n1=64, block_n2=32, block_k=32,
 PREFILL_SWAPPED = dataclasses.replace(PREFILL, swap_ab=True)  # the interpreter runs it with the fp32 dequantisation
 PREFILL_SLICED = dataclasses.replace(PREFILL_SWAPPED, block_m1=16)  # gemm1 in two slices per routing tile
 DECODE_INTERLEAVED = dataclasses.replace(DECODE, even_odd=False)  # one dot over interleaved K (before session 7)
-# gemm1 reading MoeWeights.w1_scales_frag (K step 64, 128 weight rows per program)
-PREFILL_FRAG = dataclasses.replace(PREFILL_SWAPPED, block_k=64, scale_words=True, scale_unpack="frag")
+# Both gemms reading MoeWeights.w1_scales_frag / w2_scales_frag (K step 64, 128 / 32 weight rows per program)
+PREFILL_FRAG = dataclasses.replace(PREFILL_SWAPPED, block_k=64, scale_words=True, scale_unpack="frag",
+                                   scale_unpack2="frag")
 PREFILL_4096 = pick_config(4096, 32, 4)  # the GPU's prefill tiles at real shapes (joined / gathered scale words)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 GPU_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # fp32: other summation orders, no TF32
@@ -232,12 +233,15 @@ def test_asm_format_follows_config_and_weights(monkeypatch):
 
 def test_fragment_scales_layout():
     # w1_scales_frag[e, j, n] = (scale of row n, group 2j; group 2j + 1), an odd last group paired with 0
-    b1, s1, c1, b2, s2, c2 = _raw_weights(2, 96, 32, "cpu")  # 3 groups of 32 along gate_up's K
-    frag = prepare_moe_weights(b1, s1, c1, b2, s2, c2, frag_scales=True).w1_scales_frag
-    assert frag.shape == (2, 2, 64, 2) and frag.is_contiguous()
+    b1, s1, c1, b2, s2, c2 = _raw_weights(2, 96, 64, "cpu")  # 3 groups of 32 along gate_up's K, 2 along down's
+    w = prepare_moe_weights(b1, s1, c1, b2, s2, c2, frag_scales=True)
+    frag = w.w1_scales_frag
+    assert frag.shape == (2, 2, 128, 2) and frag.is_contiguous()
     assert torch.equal(frag[:, 0], s1[:, :, 0:2]) and torch.equal(frag[:, 1, :, 0], s1[:, :, 2])
     assert not frag[:, 1, :, 1].any()
-    assert prepare_moe_weights(b1, s1, c1, b2, s2, c2).w1_scales_frag is None
+    assert w.w2_scales_frag.shape == (2, 1, 96, 2) and torch.equal(w.w2_scales_frag[:, 0], s2)
+    plain = prepare_moe_weights(b1, s1, c1, b2, s2, c2)
+    assert plain.w1_scales_frag is None and plain.w2_scales_frag is None
 
 
 @pytest.mark.parametrize(
@@ -245,15 +249,21 @@ def test_fragment_scales_layout():
     [(3, 4, 96, 64, 4, torch.float32), (17, 6, 64, 96, 3, torch.bfloat16), (33, 8, 128, 96, 4, torch.float32)],
 )
 def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_k, dtype):
-    # gemm1 reading fragment-order scales with its rows permuted inside 16-row blocks; hidden 96
-    # leaves the last K step half padding, inter 96 a half-empty second column block.
+    # Both gemms reading fragment-order scales with their weight rows permuted inside 16-row blocks;
+    # hidden 96 leaves gemm1's last K step half padding, inter 96 gemm1 a half-empty second column
+    # block and gemm2's last K step half padding.
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), frag_scales=True)
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, PREFILL_FRAG.block_m)
     act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, PREFILL_FRAG)
-    assert_close(act.float(), moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702).float(), _tol(dtype, device), "gemm1 frag")
+    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
+    assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1 frag")
+    y = moe_gemm2(want, r, w, PREFILL_FRAG)
+    assert_close(y, moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2 frag")
     with pytest.raises(ValueError, match="frag_scales"):
         moe_gemm1_swiglu(x, r, dataclasses.replace(w, w1_scales_frag=None), 3.0, 1.702, PREFILL_FRAG)
+    with pytest.raises(ValueError, match="frag_scales"):
+        moe_gemm2(want, r, dataclasses.replace(w, w2_scales_frag=None), PREFILL_FRAG)
 
 
 def test_prepare_rejects_bad_weights():
@@ -540,14 +550,17 @@ def test_pick_config_regimes():
     big, small = pick_config(4096, 32, 4), pick_config(2048, 128, 4)
     assert (big.scale_unpack, big.gemm2_scale_unpack) == ("join", "gather")
     assert (small.scale_unpack, small.gemm2_scale_unpack) == ("shift", "shift")
-    # Weights with fragment-order words: gemm1 reads those from 128-row tiles; nothing else changes
-    assert pick_config(4096, 32, 4, frag_scales=True) == dataclasses.replace(big, scale_unpack="frag")
-    assert pick_config(2048, 128, 4, frag_scales=True) == small
+    # Weights with fragment-order words: both gemms read those at every tile height; nothing else changes
+    frag = {"scale_unpack": "frag", "scale_unpack2": "frag"}
+    assert pick_config(4096, 32, 4, frag_scales=True) == dataclasses.replace(big, **frag)
+    assert pick_config(2048, 128, 4, frag_scales=True) == dataclasses.replace(small, **frag)
     assert pick_config(64, 32, 4, frag_scales=True) == pick_config(64, 32, 4)
     with pytest.raises(ValueError, match="scale_unpack"):
         dataclasses.replace(big, scale_unpack="bytes")
     with pytest.raises(ValueError, match="scale_unpack2"):
-        dataclasses.replace(big, scale_unpack2="frag")
+        dataclasses.replace(big, scale_unpack2="bytes")
+    with pytest.raises(ValueError, match="gemm2 K step of 64"):
+        dataclasses.replace(big, scale_unpack2="frag", block_k2=128)
     with pytest.raises(ValueError, match="block_k 64"):
         dataclasses.replace(big, scale_unpack="frag", block_k=128)
     assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="").gemm2_scale_unpack == "join"
@@ -635,9 +648,10 @@ def test_real_shapes_bf16_decode_tiles(tokens, variant):
 @pytest.mark.parametrize("variant", [{}, {"block_m1": 0}, {"block_m": 128, "block_m1": 0}, {"scale_words": False},
                                      {"scale_unpack": "gather", "scale_unpack2": ""},
                                      {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False},
-                                     {"scale_unpack": "frag"}],
+                                     {"scale_unpack": "join", "scale_unpack2": ""},
+                                     {"scale_unpack": "frag", "scale_unpack2": "frag"}],
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales", "scale-gather",
-                              "scale-shift", "masked-k", "scale-frag"])
+                              "scale-shift", "masked-k", "scale-join", "scale-frag"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 
@@ -662,9 +676,12 @@ def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
     rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
-    config = dataclasses.replace(pick_config(tokens, experts, top_k), **variant)
-    w = prepare_moe_weights(*raw, frag_scales=config.scale_unpack == "frag")
-    got = moe_forward(x, rw, rb, w, top_k, config=config)
+    # The engine's weights: with fragment-order scales, which pick_config then chooses where it does
+    # (only for wgmma's register operand: unswapped variants read bytes, whatever the unpack says)
+    if variant.get("swap_ab") is False:
+        variant = {"scale_unpack": "shift", "scale_unpack2": ""} | variant
+    config = dataclasses.replace(pick_config(tokens, experts, top_k, frag_scales=True), **variant)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw, frag_scales=True), top_k, config=config)
     want = moe_ref(x, rw, rb, *raw, top_k)
     assert rel_err(got, want) < 1e-2
 

@@ -225,7 +225,8 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
     x = x.contiguous()
     num_tokens, dt = x.shape[0], x.dtype
-    cfg = config or pick_config(num_tokens, w.num_experts, top_k, w.w1_scales_frag is not None)
+    has_frag = w.w1_scales_frag is not None and w.w2_scales_frag is not None
+    cfg = config or pick_config(num_tokens, w.num_experts, top_k, has_frag)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):

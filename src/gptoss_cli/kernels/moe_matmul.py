@@ -17,10 +17,11 @@ Weight layout (prepare_moe_weights, a one-time re-layout, nothing dequantised):
                           78 % with 16-row, 512-byte steps; benchmarks/bench_weight_stream.py).
                           R = 1 is the checkpoint's row-major order;
   scales [E, K/32, N] u8: transposed so one 32-group's scales for a run of rows are contiguous;
-  w1_scales_frag [E, C/64, 2I, 2] u8 (optional, prepare_moe_weights(frag_scales=True)): gate_up's
-                          scales again, each row's two 32-groups of a 64-wide K step side by side,
-                          so one int32 word holds rows 2q, 2q + 1 x both groups: exactly one
-                          thread's scales in the prefill gemm1 tile (MoeConfig.scale_unpack "frag");
+  w1_scales_frag [E, C/64, 2I, 2] u8, w2_scales_frag [E, I/64, C, 2] u8 (optional,
+                          prepare_moe_weights(frag_scales=True)): the scales again, each row's two
+                          32-groups of a 64-wide K step side by side, so one int32 word holds rows
+                          2q, 2q + 1 x both groups: exactly one thread's scales in a prefill tile
+                          (MoeConfig.scale_unpack / scale_unpack2 "frag");
   biases [E, N] fp32.
 Dequantisation in registers (the portable path): nibble s|e1 e0|m moved to fp16 bits 15 and
 11..9 is exactly FP4_VALUES[nibble] * 2**-14 (e = 0 lands on fp16 subnormals, which GPUs keep),
@@ -64,7 +65,7 @@ BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
 # 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
 # per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
 DECODE_MAX_ROWS_PER_EXPERT = 32
-SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack ("frag": gemm1 only)
+SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack / scale_unpack2
 COMBINE_BLOCK = 256  # columns per combine program
 COMBINE_TOKENS = 16  # tokens per combine program
 
@@ -137,7 +138,8 @@ class MoeConfig:
     # measurements (session 15, docs/optimizations.md). "frag" (gemm1, K step 64, weights with
     # MoeWeights.w1_scales_frag): one word per thread and step, gemm1's weight rows permuted within
     # each 16-row block to match, so the scale tile needs no conversion either (pick_config with
-    # frag_scales, from 128-row tiles).
+    # frag_scales). gemm2's "frag" reads MoeWeights.w2_scales_frag the same way (its output
+    # columns permuted, and put back before the store). Measured in session 16 (regime_config).
     scale_unpack: str = "shift"
     scale_unpack2: str = ""
     # Skip the K masks where K is a whole number of K steps (real shapes with K step 64): the
@@ -162,11 +164,12 @@ class MoeConfig:
             raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
         if self.scale_unpack not in SCALE_UNPACKS:
             raise ValueError(f"MoeConfig.scale_unpack must be one of {SCALE_UNPACKS}, got {self.scale_unpack!r}")
-        if self.scale_unpack2 not in ("", "join", "gather", "shift"):
-            raise ValueError(f"MoeConfig.scale_unpack2 must be '', 'join', 'gather' or 'shift', "
-                             f"got {self.scale_unpack2!r}")
+        if self.scale_unpack2 not in ("",) + SCALE_UNPACKS:
+            raise ValueError(f"MoeConfig.scale_unpack2 must be '' or one of {SCALE_UNPACKS}, got {self.scale_unpack2!r}")
         if self.scale_unpack == "frag" and (self.block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
+        if self.scale_unpack2 == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
+            raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
 
@@ -186,7 +189,8 @@ class MoeConfig:
 
     @property
     def gemm2_scale_unpack(self) -> str:
-        """gemm2's unpack: scale_unpack2, else gemm1's ("frag" words exist for gemm1 only: "join")."""
+        """gemm2's unpack: scale_unpack2, else gemm1's (but "frag" only where asked for: it needs the
+        weights' w2_scales_frag too, "join" otherwise)."""
         return self.scale_unpack2 or ("join" if self.scale_unpack == "frag" else self.scale_unpack)
 
     @property
@@ -197,7 +201,8 @@ class MoeConfig:
 
 def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
     """Host-side heuristic: the regime and tile sizes from the expected rows per expert.
-    `frag_scales`: the weights hold MoeWeights.w1_scales_frag, which the prefill gemm1 then reads."""
+    `frag_scales`: the weights hold fragment-order scales (MoeWeights.w1_scales_frag and
+    w2_scales_frag), which the prefill tiles then read."""
     per_expert = num_tokens * top_k / num_experts
     if num_tokens == 1:
         # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
@@ -270,9 +275,15 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
     # 1,966 -> 1,881) and gemm2 gathers (20b 879 -> 854 us, 120b 1,327 -> 1,274); TTFT of a 4k prompt
     # 20b 76.6 -> 73.0 ms, 120b 150.4 -> 143.8. 64-row tiles keep the shifts (120b T=2048: joins took
     # gemm1 1,432 -> 1,574 us and gemm2 758 -> 833, gathers gemm2 to 790).
-    # Where the weights hold fragment-order words, gemm1 reads those instead of joining (session 16:
-    # 20b T=4096 gemm1 1,453 -> 1,358 us, 120b 1,881 -> 1,754; TTFT of a 4k prompt 75.0 -> 72.2 ms).
-    unpack = {"scale_unpack": "frag" if frag_scales else "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
+    # Where the weights hold fragment-order words, both gemms read those at every tile height (H200,
+    # bench_moe per layer, session 16): gemm1 joins -> frag 20b T=4096 1,453 -> 1,358 us, 120b
+    # 1,881 -> 1,754 (TTFT of a 4k prompt 75.0 -> 72.2 ms); gemm2 gathers -> frag 20b 761 -> 735 us,
+    # 120b 1,136 -> 1,091; 64-row tiles (120b T=2048), shifts -> frag: gemm1 1,358 -> 1,234 us,
+    # gemm2 734 -> 656.
+    if frag_scales:
+        unpack = {"scale_unpack": "frag", "scale_unpack2": "frag"}
+    else:
+        unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
@@ -299,6 +310,7 @@ class MoeWeights:
     fold_scales: bool = False
     row_group: int = 1
     w1_scales_frag: torch.Tensor | None = None  # [E, ceil(C/64), 2I, 2] u8 (module docstring)
+    w2_scales_frag: torch.Tensor | None = None  # [E, ceil(I/64), C, 2] u8
 
     @property
     def num_experts(self) -> int:
@@ -344,7 +356,8 @@ def prepare_moe_weights(
     """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes, in groups
     of `row_group` rows (module docstring; 1 keeps the checkpoint order, a view when contiguous;
     a row count it does not divide falls back to 1), scales are transposed, biases become fp32.
-    frag_scales: also gate_up's scales in fragment order (w1_scales_frag, 1/32 of gate_up's bytes)."""
+    frag_scales: also the scales in fragment order (w1_scales_frag, w2_scales_frag: 1/32 of the
+    experts' bytes)."""
     if w1_blocks.dim() != 4 or w2_blocks.dim() != 4:
         shapes = f"{tuple(w1_blocks.shape)}, {tuple(w2_blocks.shape)}"
         raise ValueError(f"expert blocks must be [E, N, K/32, 16], got {shapes}")
@@ -364,8 +377,8 @@ def prepare_moe_weights(
     w2 = _packed_layout(w2_blocks, w2_scales, w2_bias, "down", (experts, hidden, inter // VALUES_PER_BLOCK), row_group)
     # One host sync per layer, at load: real scales sit far below the bound (weights under 12).
     fold = max(int(w1_scales.max()), int(w2_scales.max())) <= FOLD_MAX_SCALE if w1_scales.numel() else True
-    frag = _fragment_scales(w1_scales) if frag_scales else None
-    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group, w1_scales_frag=frag)
+    frag = (_fragment_scales(w1_scales), _fragment_scales(w2_scales)) if frag_scales else (None, None)
+    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group, w1_scales_frag=frag[0], w2_scales_frag=frag[1])
 
 
 def _fragment_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -611,6 +624,13 @@ def _frag_rows(first, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _frag_unpermute(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] columns in _frag_rows' dot order -> weight-row order: [a, h, i] -> [a, i, h]."""
+    acc = tl.reshape(acc, (BLOCK_M, BLOCK_N // 16, 2, 8))
+    return tl.reshape(tl.permute(acc, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SCALES: tl.constexpr):
     """(pointers, advance per K step, mask) of the first K step's scales of `wrows`: one per byte for
@@ -688,6 +708,11 @@ def _mx_matmul(
     a_ptrs [BLOCK_M, BLOCK_K] point at A[:, 0:BLOCK_K]; K is a multiple of 32, so the masks at
     32-group granularity are exact. Out-of-range rows and columns read as 0. SCALES: _scale_mode;
     EVEN_K: K is a multiple of BLOCK_K, so no step needs a K mask.
+
+    The callers tell the compiler K > 0 (tl.assume) where it holds: otherwise LLVM may give the
+    no-iteration path its own block that zeroes the accumulator's registers, and ptxas, seeing
+    non-wgmma writes to them while wgmmas are in flight (C7515), serialises every wgmma of the
+    loop (offline sm_90: gemm2 at every tile height, gemm1 at 64 rows; session 16).
     """
     g = tl.arange(0, BLOCK_K // 32)
     kk = tl.arange(0, BLOCK_K)
@@ -739,6 +764,7 @@ def _gemm1_swiglu_kernel(
         if tl.load(tile_start_ptr + tile) + first >= tl.load(offsets_ptr + expert + 1):
             return  # a slice past its expert's last row
     rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, first, BLOCK_M)
+    tl.assume(hidden > 0)  # _mx_matmul's note on tl.assume
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
     a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N (gate, up) pairs: one dot, split in the epilogue.
@@ -753,9 +779,8 @@ def _gemm1_swiglu_kernel(
         ROW_GROUP, EVEN_K,
     )  # fmt: skip
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
-    if SCALES == "frag":  # back to weight-row order: [a, h, i] -> [a, i, h]
-        acc = tl.reshape(acc, (BLOCK_M, BLOCK_N // 8, 2, 8))
-        acc = tl.reshape(tl.permute(acc, (0, 1, 3, 2)), (BLOCK_M, 2 * BLOCK_N))
+    if SCALES == "frag":
+        acc = _frag_unpermute(acc, BLOCK_M, 2 * BLOCK_N)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     out = _swiglu(gate, up, limit, alpha)
@@ -782,15 +807,20 @@ def _gemm2_kernel(
     rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, 0, BLOCK_M)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    wrows = _frag_rows(nb * BLOCK_N, BLOCK_N) if SCALES == "frag" else cols
     k_lo, k_len = _k_range(inter, SPLIT_K, BLOCK_K)
+    if SPLIT_K == 1:
+        tl.assume(k_len > 0)  # _mx_matmul's note on tl.assume
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + k_lo + tl.arange(0, BLOCK_K)[None, :]
     acc = _mx_matmul(
         a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP,
-        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // 32) * stride_sg,
-        cols, col_ok, k_len, stride_wn, stride_sg,
+        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // (64 if SCALES == "frag" else 32)) * stride_sg,
+        wrows, wrows < hidden, k_len, stride_wn, stride_sg,
         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
         ROW_GROUP, EVEN_K,
     )  # fmt: skip
+    if SCALES == "frag":
+        acc = _frag_unpermute(acc, BLOCK_M, BLOCK_N)
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
@@ -883,6 +913,14 @@ def _grid(routing: MoeRouting, columns: int, block_n: int, slices: int = 1) -> t
     return (routing.max_tiles * slices * triton.cdiv(columns, block_n),)
 
 
+def _frag_scales(scales: torch.Tensor | None, block_rows: int) -> torch.Tensor:
+    """The fragment-order scales a "frag" tile of `block_rows` weight rows reads, after checking it can."""
+    if scales is None or block_rows % 16:
+        raise ValueError("MoeConfig scale unpack 'frag' needs prepare_moe_weights(frag_scales=True) and "
+                         "tiles of whole 16-row blocks (block_n1 % 8 == 0, block_n2 % 16 == 0)")
+    return scales
+
+
 def moe_gemm1_swiglu(
     x: torch.Tensor,
     routing: MoeRouting,
@@ -902,12 +940,7 @@ def moe_gemm1_swiglu(
         return act
     slices = config.block_m // config.gemm1_rows
     scales_mode = _scale_mode(config, 2 * config.block_n1, config.scale_unpack)
-    scales = w.w1_scales
-    if scales_mode == "frag":
-        if w.w1_scales_frag is None or (2 * config.block_n1) % 16:
-            raise ValueError("MoeConfig.scale_unpack 'frag' needs prepare_moe_weights(frag_scales=True) "
-                             "and block_n1 % 8 == 0")
-        scales = w.w1_scales_frag
+    scales = _frag_scales(w.w1_scales_frag, 2 * config.block_n1) if scales_mode == "frag" else w.w1_scales
     _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1, slices)](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         scales, scales.stride(0), scales.stride(1), w.w1_bias,
@@ -936,15 +969,17 @@ def moe_gemm2(
     y = _out_buffer(out, (config.split_k * slots, w.hidden), torch.float32, act)
     if routing.max_tiles == 0:
         return y
+    scales_mode = _scale_mode(config, config.block_n2, config.gemm2_scale_unpack)
+    scales = _frag_scales(w.w2_scales_frag, config.block_n2) if scales_mode == "frag" else w.w2_scales
     _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
-        w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
+        scales, scales.stride(0), scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
         DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k, SCALES=_scale_mode(config, config.block_n2, config.gemm2_scale_unpack),
+        SPLIT_K=config.split_k, SCALES=scales_mode,
         ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.gemm2_maxnreg),

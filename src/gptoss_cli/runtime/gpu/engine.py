@@ -54,9 +54,10 @@ class GpuEngineConfig:
     # Rows per contiguous group of the packed expert bytes (kernels.MoeWeights.row_group; 1 = the
     # checkpoint's row-major order): each K step of a MoE kernel then reads whole pieces.
     moe_row_group: int = ROW_GROUP
-    # Also gate_up's scales in fragment order (kernels.MoeWeights.w1_scales_frag, +1/32 of gate_up's
-    # bytes: 0.4 GB for 20b, 2.4 GB for 120b, taken from the KV cache), which the prefill gemm1 then
-    # reads. H200, 20b: TTFT of a 4k prompt 75.0 -> 72.2 ms (docs/performance.md, session 16).
+    # Also the experts' scales in fragment order (kernels.MoeWeights.w1_scales_frag / w2_scales_frag,
+    # +1/32 of the expert bytes: 0.6 GB for 20b, 3.6 GB for 120b, taken from the KV cache), which the
+    # prefill tiles then read. H200, 20b: TTFT of a 4k prompt 75.0 -> 72.2 ms (gemm1's), 120b
+    # prefill MoE at 64-row tiles -9 % (both; docs/performance.md, session 16).
     moe_frag_scales: bool = True
 
     def __post_init__(self) -> None:

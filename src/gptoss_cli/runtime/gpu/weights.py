@@ -64,7 +64,8 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: in
                     moe_frag_scales: bool = False) -> GpuWeights:
     """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
     `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group);
-    `moe_frag_scales`: also gate_up's fragment-order scales (kernels.MoeWeights.w1_scales_frag)."""
+    `moe_frag_scales`: also the experts' fragment-order scales (kernels.MoeWeights.w1_scales_frag,
+    w2_scales_frag)."""
     cfg, t = weights.config, weights.tensors
     cast = lambda x: x.to(dtype).contiguous()  # noqa: E731
     layers = [_layer(cfg, t, n, cast, moe_row_group, moe_frag_scales) for n in range(cfg.num_hidden_layers)]
