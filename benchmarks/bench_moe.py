@@ -167,7 +167,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
     # Both gemms on fragment-order scale words (MoeWeights.w1_scales_frag / w2_scales_frag)
     "scale-frag": {"scale_unpack": "frag", "scale_unpack2": "frag"},
-    "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
+    "masked-k": {"even_k": False},
+    "y-fp32": {"round_slots": False},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)  # K masks in every step even where K is whole K steps (before session 15)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096
     # (session 15, shifted scale words): gemm1 1,482 -> 1,853 us; ncu had L2 at 51 %, not the limit.
@@ -242,7 +243,7 @@ def _kernels(st: _Setup, variant):
     """(kernel, config, fn, layers per call, bytes, flops) for the matmul-based kernels of one variant."""
     from gptoss_cli.kernels.moe import moe_forward, pick_config
     from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
-    from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2
+    from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2, slot_dtype
 
     case, r, ws = st.case, st.routing, st.weights
     base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
@@ -258,7 +259,9 @@ def _kernels(st: _Setup, variant):
     gemm1_flops, gemm2_flops = 2 * slots * c * 2 * i, 2 * slots * i * c
     router_bytes, router_flops = case.experts * c * 2, 2 * case.tokens * c * case.experts
 
-    y_out = st.y if cfg.split_k == 1 else torch.empty(cfg.split_k * slots, c, device=st.y.device)
+    y_dtype = slot_dtype(cfg, st.x.dtype)  # MoeConfig.round_slots
+    y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
+        torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
     g1, g2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
 
@@ -275,7 +278,7 @@ def _kernels(st: _Setup, variant):
 
     return [
         ("gemm1+swiglu", cfg, gemm1, layers, w1_bytes + x_bytes + act_bytes, gemm1_flops),
-        ("gemm2", cfg, gemm2, layers, w2_bytes + act_bytes + slots * c * 4, gemm2_flops),
+        ("gemm2", cfg, gemm2, layers, w2_bytes + act_bytes + y_out.numel() * y_out.element_size(), gemm2_flops),
         ("moe_forward", cfg, forward, layers, w1_bytes + w2_bytes + router_bytes + 2 * x_bytes,
          gemm1_flops + gemm2_flops + router_flops),
     ]  # fmt: skip

@@ -149,7 +149,8 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
                       common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
                                 "SUB_M": max(1, block_m // 128), "SCALES": scales[0]},
                       num_warps=8, num_stages=num_stages)
-    g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"},
+    # y in bf16: the prefill tiles round their slot outputs (MoeConfig.round_slots)
+    g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*bf16", "gamma_ptr": "*fp32"},
                       common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1]}, num_warps=8, num_stages=num_stages)
     for name, kernel, mode in (("gemm1", g1, scales[0]), ("gemm2", g2, scales[1])):
         byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load

@@ -266,6 +266,28 @@ def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_
         moe_gemm2(want, r, dataclasses.replace(w, w2_scales_frag=None), PREFILL_FRAG)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_slots_stores_slot_outputs_in_the_activation_dtype(device, dtype):
+    # MoeConfig.round_slots: gemm2's y in x's dtype (the twin's fp32 rounded once), the combine sums
+    # it in fp32; moe_forward through a workspace (y reusing the fp32 buffer's bytes) and without agree.
+    experts, hidden, inter, top_k, tokens = 4, 64, 96, 2, 37
+    config = dataclasses.replace(PREFILL_SWAPPED, round_slots=True)
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
+    act = torch.randn(tokens * top_k, inter, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    y = moe_gemm2(act, r, w, config)
+    assert y.dtype == dtype
+    assert_close(y.float(), moe_gemm2_ref(act, r, w).to(dtype).float(), _tol(dtype, device), "rounded y")
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    rw, rb = torch.randn(experts, hidden, device=device).to(dtype), torch.zeros(experts, device=device).to(dtype)
+    ws = MoeWorkspace.allocate(64, w, top_k, dtype, device)
+    got = moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config)
+    assert torch.equal(got, moe_forward(x, rw, rb, w, top_k, config=config))
+    assert_close(got, moe_forward(x, rw, rb, w, top_k, config=PREFILL_SWAPPED), _tol(dtype, device), "vs fp32 y")
+    with pytest.raises(ValueError, match="split_k 1"):
+        dataclasses.replace(config, split_k=2)
+
+
 def test_prepare_rejects_bad_weights():
     b1, s1, c1, b2, s2, c2 = _raw_weights(2, 64, 64, "cpu")
     with pytest.raises(TypeError):
@@ -710,7 +732,7 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
     r = route(torch.zeros(inter, 1, device="cuda"), 1, config.block_m)
     act = torch.eye(inter, device="cuda", dtype=torch.bfloat16)
     y = (moe_gemv2 if config.gemv else moe_gemm2)(act, r, w, config)
-    assert torch.equal(y, dequantize_mxfp4(b2[0], s2[0]).T.contiguous())
+    assert torch.equal(y.float(), dequantize_mxfp4(b2[0], s2[0]).T.contiguous())  # bf16 with round_slots: exact too
 
 
 @requires_gpu

@@ -33,6 +33,7 @@ from .moe_matmul import (
     moe_gemm2,
     pick_config,
     prepare_moe_weights,
+    slot_dtype,
 )
 from .moe_routing import MoeRouting, route
 from .mxfp4 import dequantize_mxfp4
@@ -130,15 +131,19 @@ class MoeWorkspace:
             router=moe_router.RouterScratch.allocate(w.num_experts, device),
         )
 
-    def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype):
-        """(routing, act, y) buffers for one call."""
+    def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype,
+              y_dtype: torch.dtype = torch.float32):
+        """(routing, act, y) buffers for one call; y of a narrower y_dtype (MoeConfig.round_slots)
+        reuses the fp32 buffer's bytes."""
         if num_tokens > self.max_tokens or top_k != self.routing.top_k or dtype != self.act.dtype:
             raise ValueError(
                 f"workspace holds {self.max_tokens} tokens, top_k {self.routing.top_k}, {self.act.dtype}; "
                 f"called with {num_tokens} tokens, top_k {top_k}, {dtype}"
             )
         slots = num_tokens * top_k
-        return self.routing.narrow(num_tokens, block_m), self.act[:slots], self.y[:slots]
+        y = self.y[:slots] if y_dtype == self.y.dtype else \
+            self.y.view(-1).view(y_dtype)[: slots * self.y.shape[1]].view(slots, self.y.shape[1])
+        return self.routing.narrow(num_tokens, block_m), self.act[:slots], y
 
 
 def _check_forward_args(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, w: MoeWeights) -> None:
@@ -217,7 +222,8 @@ def _router_fused(cfg: MoeConfig, num_tokens: int) -> bool:
 def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, limit: float, alpha: float,
                     workspace: MoeWorkspace | None, config: MoeConfig | None,
                     norm: moe_router.RouterNorm | None = None) -> tuple[torch.Tensor, MoeConfig]:
-    """Routing and both expert matmuls: (y [P*T*K, C] fp32 per slot, in slot order, the config).
+    """Routing and both expert matmuls: (y [P*T*K, C] per slot, in slot order, fp32 or rounded to
+    x's dtype (MoeConfig.round_slots); the config).
     With `norm` (fused router only) x is the block's input before its norm: the router launch
     writes the normalised rows to norm.out, which the expert matmuls then read."""
     _check_forward_args(x, router_weight, router_bias, w)
@@ -227,7 +233,7 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
     num_tokens, dt = x.shape[0], x.dtype
     has_frag = w.w1_scales_frag is not None and w.w2_scales_frag is not None
     cfg = config or pick_config(num_tokens, w.num_experts, top_k, has_frag)
-    bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt) if workspace else (None, None, None)
+    bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt, slot_dtype(cfg, dt)) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):
         scratch = workspace.router if workspace else moe_router.RouterScratch.allocate(w.num_experts, x.device)

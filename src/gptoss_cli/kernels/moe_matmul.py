@@ -147,6 +147,10 @@ class MoeConfig:
     # instructions, decode tiles at T=64 468 -> 446 (gemm1) and 472 -> 444 (gemm2). H200, bench_moe
     # per layer (session 15): decode 1-3 % faster (120b T=64 541.7 -> 526.4 us), prefill ~0-1 %.
     even_k: bool = True
+    # gemm2 stores each slot's output rounded to the activation dtype (transformers' experts round
+    # theirs too) instead of fp32: half the bytes between gemm2 and the combine, which at T=4096
+    # are ~190 MB per layer in fp32. Not with split_k > 1 (partial sums stay fp32).
+    round_slots: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -170,6 +174,8 @@ class MoeConfig:
             raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
         if self.scale_unpack2 == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
+        if self.round_slots and self.split_k > 1:
+            raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
 
@@ -284,10 +290,12 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         unpack = {"scale_unpack": "frag", "scale_unpack2": "frag"}
     else:
         unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
+    # gemm2's per-slot outputs rounded to the activation dtype (round_slots): half of y's ~190 MB
+    # per layer at T=4096 between gemm2 and the combine.
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
-        **unpack,
+        round_slots=True, **unpack,
     )  # fmt: skip
 
 
@@ -828,7 +836,7 @@ def _gemm2_kernel(
     y = (acc + bias[None, :]) * gamma[:, None]
     # With SPLIT_K > 1, y holds SPLIT_K slabs of [S, C]: moe_combine sums them.
     y_ptrs = y_ptr + (tl.program_id(1) * num_rows + slots[:, None]).to(tl.int64) * stride_yt + cols[None, :]
-    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -878,8 +886,7 @@ def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight
                      splits: int = 1, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(moe_combine(y, top_k, residual.dtype, splits=splits), weight, eps, residual) in one
     launch (one program per token, whole rows): (normed [T, C], new residual [T, C])."""
-    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % (top_k * splits):
-        raise ValueError(f"y must be a contiguous fp32 [{splits}*T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
+    _check_slots(y, top_k, splits)
     tokens, hidden = y.shape[0] // (top_k * splits), y.shape[1]
     if residual.shape != (tokens, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
         raise ValueError(f"residual {tuple(residual.shape)} / weight {tuple(weight.shape)} do not match y's "
@@ -960,13 +967,14 @@ def moe_gemm1_swiglu(
 def moe_gemm2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (sorted rows) -> y [S, C] fp32 in slot order, scaled by the routing weights.
-    With config.split_k = P > 1: y [P*S, C], P slabs of partial sums (moe_combine(splits=P) adds them)."""
+    """act [S, I] (sorted rows) -> y [S, C] fp32 (act's dtype with config.round_slots) in slot order,
+    scaled by the routing weights. With config.split_k = P > 1: y [P*S, C], P slabs of partial sums
+    (moe_combine(splits=P) adds them)."""
     slots = routing.num_tokens * routing.top_k
     _check_activation(act, slots, w.intermediate, "act")
     if routing.block_m != config.block_m:
         raise ValueError(f"routing tiles have {routing.block_m} rows, config wants {config.block_m}")
-    y = _out_buffer(out, (config.split_k * slots, w.hidden), torch.float32, act)
+    y = _out_buffer(out, (config.split_k * slots, w.hidden), slot_dtype(config, act.dtype), act)
     if routing.max_tiles == 0:
         return y
     scales_mode = _scale_mode(config, config.block_n2, config.gemm2_scale_unpack)
@@ -987,13 +995,24 @@ def moe_gemm2(
     return y
 
 
+def slot_dtype(config: MoeConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of gemm2's per-slot outputs for activations of `dtype` (MoeConfig.round_slots)."""
+    return dtype if config.round_slots else torch.float32
+
+
+def _check_slots(y: torch.Tensor, top_k: int, splits: int) -> None:
+    if y.dtype not in (torch.float32, torch.bfloat16, torch.float16) or y.dim() != 2 or not y.is_contiguous() \
+            or y.shape[0] % (top_k * splits):
+        raise ValueError(f"y must be a contiguous fp32 / bf16 / fp16 [{splits}*T*{top_k}, C] tensor, "
+                         f"got {y.dtype} {tuple(y.shape)}")
+
+
 def moe_combine(
     y: torch.Tensor, top_k: int, dtype: torch.dtype, out: torch.Tensor | None = None, splits: int = 1
 ) -> torch.Tensor:
-    """y [P*T*K, C] fp32 (P = splits slabs, slot order) -> [T, C] in `dtype`: the sum over each
-    token's K slots and the P slabs."""
-    if y.dtype != torch.float32 or y.dim() != 2 or not y.is_contiguous() or y.shape[0] % (top_k * splits):
-        raise ValueError(f"y must be a contiguous fp32 [{splits}*T*{top_k}, C] tensor, got {y.dtype} {tuple(y.shape)}")
+    """y [P*T*K, C] (P = splits slabs, slot order; summed in fp32) -> [T, C] in `dtype`: the sum
+    over each token's K slots and the P slabs."""
+    _check_slots(y, top_k, splits)
     tokens, hidden = y.shape[0] // (top_k * splits), y.shape[1]
     res = _out_buffer(out, (tokens, hidden), dtype, y)
     if tokens:
