@@ -154,8 +154,8 @@ def override_moe(pairs: list[str]) -> None:
     changes = moe_fields(pairs)
     base = moe.pick_config
 
-    def patched(num_tokens: int, num_experts: int, top_k: int):
-        cfg = base(num_tokens, num_experts, top_k)
+    def patched(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False):
+        cfg = base(num_tokens, num_experts, top_k, frag_scales)
         return dataclasses.replace(cfg, **changes) if num_tokens <= 64 and moe_changes_apply(cfg, changes) else cfg
 
     moe.pick_config = patched

@@ -202,8 +202,8 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
 
     pick = moe.pick_config
     assert pick(1, 32, 4).gemv_topk
-    monkeypatch.setattr(moe, "pick_config",
-                        lambda t, e, k: dataclasses.replace(pick(t, e, k), gemv_topk=False) if t == 1 else pick(t, e, k))
+    monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
+        pick(t, e, k, frag), gemv_topk=False) if t == 1 else pick(t, e, k, frag))
     eng = _graph_engine(max_batch=1)
     prompt = _prompt(9, 47)
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)

@@ -3,6 +3,7 @@ cache is sized, so users get a sentence (with what would fit) instead of an OOM 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -18,13 +19,7 @@ WORKSPACE_BYTES = 3 * GIB
 
 def weights_bytes(cfg: ModelConfig) -> int:
     """Bytes the checkpoint occupies on the GPU (MXFP4 experts packed, the rest bf16)."""
-    total = 0
-    for spec in expected_tensors(cfg).values():
-        n = 1
-        for d in spec.shape:
-            n *= d
-        total += n * (1 if spec.packed else 2)
-    return total
+    return sum(math.prod(spec.shape) * (1 if spec.packed else 2) for spec in expected_tensors(cfg).values())
 
 
 def check_device(device: torch.device) -> None:
@@ -41,10 +36,18 @@ def check_device(device: torch.device) -> None:
                             "gptoss needs an NVIDIA GPU with compute capability 8.0+ (A100, H100, H200)")
 
 
+def frag_scales_bytes(cfg: ModelConfig) -> int:
+    """The engine's second, fragment-order copy of the expert scales (GpuEngineConfig.moe_frag_scales):
+    as many bytes as the checkpoint's scales (their K groups are even at gpt-oss shapes)."""
+    return sum(math.prod(spec.shape) for name, spec in expected_tensors(cfg).items()
+               if spec.packed and name.endswith("_scales"))
+
+
 def check_weights_fit(cfg: ModelConfig, device: torch.device) -> None:
-    """Before loading: weights plus a minimal KV cache must fit in free memory."""
+    """Before loading: weights (with the scales' fragment-order copy, on by default) plus a minimal
+    KV cache must fit in free memory."""
     free, total = torch.cuda.mem_get_info(device)
-    need = weights_bytes(cfg) + WORKSPACE_BYTES
+    need = weights_bytes(cfg) + frag_scales_bytes(cfg) + WORKSPACE_BYTES
     if need > free:
         raise HardwareError(
             f"the model needs {need / GIB:.1f} GiB of GPU memory; {free / GIB:.1f} of {total / GIB:.1f} GiB are free",
