@@ -45,6 +45,14 @@ def family(name: str) -> str:
     return next(f for f, pat in FAMILIES if re.search(pat, name, re.IGNORECASE))
 
 
+def kernel_events(prof) -> list:
+    """The device events of a torch.profiler run that are kernels (or copies): not the device-side
+    spans of record_function labels, which eager steps also produce and which would count their
+    kernels twice."""
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+            and ev.device_time_total > 0 and not getattr(ev, "is_user_annotation", False)]
+
+
 def print_gaps(spans: list[tuple[float, float]], steps: int) -> None:
     """Idle time between consecutive kernels on the device timeline, per step: short gaps are
     launch latency inside a graph, long ones (> 20 us) host work between steps."""
@@ -80,11 +88,10 @@ def profile(eng, batch: int, steps: int) -> None:
     per_family: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
     spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            per_family[family(ev.name)] += ev.device_time_total / steps
-            per_kernel[ev.name] += ev.device_time_total / steps
-            spans.append((ev.time_range.start, ev.time_range.end))
+    for ev in kernel_events(prof):
+        per_family[family(ev.name)] += ev.device_time_total / steps
+        per_kernel[ev.name] += ev.device_time_total / steps
+        spans.append((ev.time_range.start, ev.time_range.end))
     while eng.has_unfinished():
         eng.step()
     busy_us = sum(per_family.values())

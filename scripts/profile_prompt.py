@@ -3,9 +3,10 @@
     PYTHONPATH=src python scripts/profile_prompt.py [--model 20b] [--lengths 128 4096] [--runs 5]
 
 For each prompt length: the median TTFT of a batch-1 request with max_tokens=1 (each run a new
-prompt, so no prefix-cache hits); then one more such request under torch.profiler (kernel time
-summed by family, as profile_decode.py groups them, and the number of launches) and one under
-cProfile (the host functions with the most time of their own). A TTFT far above its kernel time
+prompt, so no prefix-cache hits); one request's timeline (metadata, forward launched, forward
+done on the device, first token); one more such request under torch.profiler (kernel time summed
+by family, as profile_decode.py groups them, and the number of launches) and one under cProfile
+(the host functions with the most time of their own). A TTFT far above its kernel time
 is host-bound: launches, Python, synchronisation.
 """
 
@@ -22,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from profile_decode import engine_options, family  # same directory: on sys.path when run as a script
+from profile_decode import engine_options, family, kernel_events  # same directory: on sys.path when run as a script
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -44,15 +45,50 @@ def _kernels(eng, prompt: list[int]) -> None:
         _first_token(eng, prompt)
         torch.cuda.synchronize()
     per_family: dict[str, float] = defaultdict(float)
-    launches = 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            per_family[family(ev.name)] += ev.device_time_total
-            launches += 1
-    busy = sum(per_family.values())
+    per_kernel: dict[str, float] = defaultdict(float)
+    events = kernel_events(prof)
+    for ev in events:
+        per_family[family(ev.name)] += ev.device_time_total
+        per_kernel[ev.name] += ev.device_time_total
+    busy, launches = sum(per_family.values()), len(events)
     print(f"  kernels {busy / 1e3:.2f} ms in {launches} launches:")
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {fam:<26}{us / 1e3:>8.2f} ms")
+    print("  top kernels:")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {us / 1e3:>8.2f} ms  {name[:90]}")
+
+
+def _timeline(eng, prompt: list[int]) -> None:
+    """One request's prompt step in phases (host ms since arrival): metadata built, forward launched
+    (host only: the kernels are queued), forward done on the device (a sync added here), sampled
+    token on the host. Runs the wrapped step once, then restores the engine's functions."""
+    import gptoss_cli.runtime.gpu.runner as runner_mod
+
+    runner, marks = eng.runner, {}
+    build, forward, sample = runner._build_eager, runner.model.forward, runner_mod.sample
+
+    def timed(name, fn, sync=False):
+        def call(*a, **k):
+            out = fn(*a, **k)
+            marks[name] = time.perf_counter()
+            if sync:
+                torch.cuda.synchronize()
+                marks[name + " (device done)"] = time.perf_counter()
+            return out
+        return call
+
+    runner._build_eager = timed("metadata built", build)
+    runner.model.forward = timed("forward launched", forward, sync=True)
+    runner_mod.sample = timed("sampling launched", sample)
+    try:
+        start = time.perf_counter()
+        _first_token(eng, prompt)
+        marks["first token"] = time.perf_counter()
+    finally:
+        runner._build_eager, runner.model.forward, runner_mod.sample = build, forward, sample
+    print("  timeline (ms since submission): " + ", ".join(
+        f"{name} {(t - start) * 1e3:.1f}" for name, t in sorted(marks.items(), key=lambda kv: kv[1])))
 
 
 def _host(eng, prompt: list[int], top: int) -> None:
@@ -93,6 +129,7 @@ def main() -> int:
             times.append(_first_token(eng, _prompt(length, seed := seed + 1)) * 1e3)
         print(f"\nprompt {length} tokens: TTFT median {statistics.median(times):.1f} ms "
               f"(runs {', '.join(f'{t:.1f}' for t in times)})")
+        _timeline(eng, _prompt(length, seed := seed + 1))
         t = time.perf_counter()
         _kernels(eng, _prompt(length, seed := seed + 1))
         print(f"  (profiled request {(time.perf_counter() - t) * 1e3:.1f} ms)")
