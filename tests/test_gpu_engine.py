@@ -82,6 +82,28 @@ def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
     assert plain.w1_scales_frag is None and plain.w2_scales_frag is None
 
 
+def test_padded_prompt_steps_match_reference():
+    # A step that is one sequence's whole prompt runs padded to its length bucket (a CUDA graph on
+    # a GPU; here the same padded step eagerly): greedy tokens as the reference's, for lengths on
+    # and off the buckets, and for a prompt whose prefix is cached (the chunk attends to context
+    # it did not write). Pad tokens write K/V to scratch block 0 only: the cached prefix must
+    # survive them.
+    eng = _engine()
+    eng.runner.pad_prompts = True
+    ref = ReferenceModel(random_weights("tiny", seed=5, device=DEVICE), dtype=torch.float32)
+    base = _prompt(40, 11)
+    for p in (_prompt(3, 9), _prompt(16, 10), base, base + _prompt(9, 12)):
+        assert eng.generate([p], GREEDY)[0].token_ids == _ref_greedy(ref, p, GREEDY.max_tokens)
+    assert eng.runner.prompt_bucket(_seq_stub(40), 40) == 64 and eng.runner.prompt_bucket(_seq_stub(40), 39) is None
+
+
+def _seq_stub(n):
+    from gptoss_cli.runtime.api import RequestOutput
+    from gptoss_cli.runtime.gpu.sequence import Sequence
+
+    return Sequence(RequestOutput("stub", [0] * n), GREEDY, 0, 1, tokens=[0] * n)
+
+
 def test_greedy_batched_matches_reference_and_single(engine, ref):
     prompts = [_prompt(n, n) for n in (3, 40)]
     start = engine.free_blocks()

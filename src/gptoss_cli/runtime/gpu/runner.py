@@ -3,7 +3,11 @@
 Two paths. Eager: any mix of prefill chunks and decode tokens, metadata built on the host and
 copied once. Graph: steps where every sequence has one pending token replay a decode graph
 captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
-(block 0) and produce nothing. Inside the graph the sampled tokens become the next step's
+(block 0) and produce nothing. A step that is one sequence's whole remaining prompt, up to
+PROMPT_BUCKETS[-1] tokens, replays a prompt graph captured for the smallest length bucket >= it:
+launching its ~400 kernels one by one cost the host ~22 ms, three times their GPU time at 128
+tokens (H200, 20b; docs/performance.md, session 16). Padded tokens attend to nothing, write their
+K/V to scratch block 0 and are not sampled. Inside the graph the sampled tokens become the next step's
 inputs and positions advance (kernels.decode_step), so a steady decode step only copies changed
 block-table entries in and the sampled ids out (the one host sync per step).
 `launch_decode_graph` / `collect` split that step so the engine can queue the next replay before
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,6 +29,7 @@ from .model import ForwardBatch, GpuModel
 from .sequence import Sequence
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # prompt-graph lengths (tokens)
 
 
 def _sampling_host(seqs: list[Sequence]) -> list[np.ndarray]:
@@ -53,11 +59,21 @@ class Runner:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_seqs: list[Sequence] | None = None  # batch the static buffers describe
+        max_step = model.moe_workspace.max_tokens
+        self.prompt_buckets = tuple(b for b in PROMPT_BUCKETS if b <= max_step)
+        self._prompt_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Whole-prompt steps go through the padded prompt step (a graph where captured); the CPU
+        # tests turn it on to run the padded step eagerly.
+        self.pad_prompts = self.use_graphs
         self._alloc_static()
+        self._alloc_prompt_static()
 
     # ---- eager path ----------------------------------------------------------------------
     def run_eager(self, chunks: list[tuple[Sequence, int]]) -> list[int | None]:
-        """Any mix of chunks; returns the sampled token per chunk (None mid-prompt)."""
+        """Any mix of chunks; returns the sampled token per chunk (None mid-prompt). One sequence's
+        whole remaining prompt replays a prompt graph where one was captured for its length."""
+        if self.pad_prompts and len(chunks) == 1 and self.prompt_bucket(*chunks[0]):
+            return [self.run_prompt(*chunks[0])]
         self._graph_seqs = None  # the eager step moves positions past the static buffers
         batch, sampled = self._build_eager(chunks)
         logits = self.model.forward(batch)
@@ -110,6 +126,83 @@ class Runner:
             ctx_lens=torch.tensor(ctx, dtype=torch.int32).to(self.device, non_blocking=True),
             max_seqlen_q=max(n for _, n in chunks), max_ctx_len=max(ctx))
         return batch, sampled
+
+    # ---- prompt graphs -------------------------------------------------------------------
+    def prompt_bucket(self, seq: Sequence, n: int) -> int | None:
+        """The prompt-graph length for a chunk of n tokens of seq, if it is the whole rest of the
+        prompt (so a token is sampled) and a bucket holds it."""
+        if seq.num_computed + n != len(seq.tokens):
+            return None
+        return next((b for b in self.prompt_buckets if b >= n), None)
+
+    def run_prompt(self, seq: Sequence, n: int) -> int:
+        """The rest of seq's prompt (n tokens) through its length bucket's graph (or, where none
+        was captured, the same padded step run eagerly: CPU tests); returns the sampled token."""
+        bucket = self.prompt_bucket(seq, n)
+        if bucket is None:
+            raise ValueError(f"no prompt bucket for {n} tokens ending the prompt")
+        self._graph_seqs = None  # as for any eager step: the decode buffers must be reloaded
+        self._load_prompt(seq, n, bucket)
+        if bucket in self._prompt_graphs:
+            self._prompt_graphs[bucket].replay()
+        else:
+            self._prompt_body(bucket)
+        return int(self._p_out.item())
+
+    def _alloc_prompt_static(self) -> None:
+        p, dev = max(self.prompt_buckets, default=0), self.device
+        # tokens, positions, full slots, slide slots [p]; then the table row, the logits row,
+        # the sampling seed and offset: one host buffer, one copy per replay
+        self._p_host = torch.zeros(4 * p + 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._p_i64 = torch.zeros(4 * p + 4, dtype=torch.int64, device=dev)
+        # cu_seqlens [2], ctx_lens [1], top_k [1]
+        self._p_host32 = torch.zeros(4, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._p_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._p_hostf = torch.zeros(3, dtype=torch.float32, pin_memory=dev.type == "cuda")
+        self._p_f32 = torch.zeros(3, dtype=torch.float32, device=dev)  # temperature, top_p, min_p
+        self._p_out = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def _load_prompt(self, seq: Sequence, n: int, bucket: int) -> None:
+        """The chunk's metadata into the static prompt buffers, padded to the bucket: pad tokens
+        are token 0 at position 0, writing their K/V to slot 0 (scratch block 0)."""
+        p, bs, start = max(self.prompt_buckets), self.block_size, seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int64)
+        h = self._p_host.numpy()
+        h[:] = 0
+        h[:n] = seq.tokens[start:start + n]
+        h[p:p + n] = pos
+        h[2 * p:2 * p + n] = np.asarray(seq.full_blocks, np.int64)[pos // bs] * bs + pos % bs
+        h[3 * p:3 * p + n] = np.asarray(seq.slide_blocks, np.int64)[pos // bs] * bs + pos % bs
+        h[4 * p:4 * p + 4] = (seq.row, n - 1, seq.seed, seq.num_generated)
+        self._p_host32.numpy()[:] = (0, n, start, seq.params.top_k)
+        sp = seq.params
+        self._p_hostf.numpy()[:] = (sp.temperature, sp.top_p, sp.min_p)
+        for dst, src in ((self._p_i64, self._p_host), (self._p_i32, self._p_host32), (self._p_f32, self._p_hostf)):
+            dst.copy_(src, non_blocking=True)
+
+    def _prompt_body(self, bucket: int) -> None:
+        """The captured prompt step for one sequence padded to `bucket` tokens: forward, sample."""
+        p, i64, i32, f32 = max(self.prompt_buckets), self._p_i64, self._p_i32, self._p_f32
+        row, last, seed, offset = (i64[4 * p + j:4 * p + j + 1] for j in range(4))
+        batch = ForwardBatch(
+            tokens=i64[:bucket], positions=i64[p:p + bucket], full_slots=i64[2 * p:2 * p + bucket],
+            slide_slots=i64[3 * p:3 * p + bucket],
+            full_tables=self.kv.full_table.index_select(0, row), slide_tables=self.kv.slide_table.index_select(0, row),
+            logits_rows=last, decode=False, cu_seqlens=i32[:2], ctx_lens=i32[2:3],
+            max_seqlen_q=bucket, max_ctx_len=0)  # max_ctx_len: a hint prefill_attention does not need
+        logits = self.model.forward(batch)
+        self._p_out.copy_(sample(logits, f32[0:1], i32[3:4], f32[1:2], f32[2:3], seed, offset))
+
+    def _capture_prompts(self, pool, progress: Callable[[], None] | None) -> None:
+        """One prompt graph per length bucket, largest first, into the decode graphs' pool. The
+        buffers hold an empty chunk meanwhile (no real token: nothing attends, K/V go to scratch)."""
+        self._p_i64.zero_()
+        self._p_i32.zero_()
+        self._p_f32.copy_(torch.tensor([1.0, 1.0, 0.0]))  # temperature, top_p, min_p
+        for b in sorted(self.prompt_buckets, reverse=True):
+            pool, self._prompt_graphs[b] = self._capture(partial(self._prompt_body, b), pool)
+            if progress:
+                progress()
 
     # ---- graph path ----------------------------------------------------------------------
     def can_replay(self, n: int) -> bool:
@@ -188,7 +281,8 @@ class Runner:
         advance_decode(nxt, self._s_out[:b], tok, pos, s.offsets[:b], active)
 
     def capture(self, max_context: int, progress: Callable[[int, int], None] | None = None) -> None:
-        """Warm up (compile) and capture one decode graph per bucket, largest first."""
+        """Warm up (compile) and capture one decode graph per batch bucket and one prompt graph per
+        length bucket, largest first."""
         cfg = self.model.cfg
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._splits = {b: (choose_num_splits(b, cfg.num_key_value_heads, max_context, sms),
@@ -197,19 +291,30 @@ class Runner:
         if not self.use_graphs:
             return
         self._load_static([])
-        pool = None
-        for i, b in enumerate(sorted(self.buckets, reverse=True)):
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._decode_body(b)  # compiles kernels for this shape outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._decode_body(b)
-            pool = graph.pool()
-            self._graphs[b] = graph
+        pool, done, total = None, 0, len(self.buckets) + len(self.prompt_buckets)
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
             if progress:
-                progress(i + 1, len(self.buckets))
+                progress(done, total)
+
+        for b in sorted(self.buckets, reverse=True):
+            pool, self._graphs[b] = self._capture(partial(self._decode_body, b), pool)
+            tick()
         self._load_static([])
         self._graph_seqs = None
+        self._capture_prompts(pool, tick)
+
+    def _capture(self, body: Callable[[], None], pool) -> tuple[object, torch.cuda.CUDAGraph]:
+        """Run `body` once on a side stream (Triton compiles outside the capture), then capture it
+        into a graph sharing `pool`; returns (the pool, the graph)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            body()
+        return graph.pool(), graph

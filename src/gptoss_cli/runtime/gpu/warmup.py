@@ -4,7 +4,8 @@ use are compiled at engine start, not inside the first requests.
 Triton compiles a kernel once per set of constexpr values (here the MoE tiles that
 kernels.moe.pick_config chooses from the step's token count) and once per specialisation of its
 int arguments (a value of 1, divisibility by 16). CUDA-graph capture (runner.py) compiles the pure
-decode steps only, so a benchmark's first long prompts used to pay for these compiles: 6 kernels
+decode steps and the whole-prompt steps of its length buckets only (which is why the warm-up runs
+its prompts eagerly), so a benchmark's first long prompts used to pay for these compiles: 6 kernels
 in the 256-request H200 run, ~1-3 s each (docs/performance.md, session 4). The sampler's
 kernels also compile once per launch layout, which depends on how many rows need a token
 (kernels.sampling.split_classes); a step can have any row count up to max_batch, so each class is
@@ -53,6 +54,18 @@ def warm_eager_steps(engine: GpuEngine, max_step_tokens: int, progress: Callable
         return n <= room and engine.kv.blocks_for(n + 3) < engine.kv.full.num_blocks
 
     sizes = [t for t in step_sizes(max_step_tokens, cfg.num_local_experts, cfg.num_experts_per_tok) if fits(t)]
+    # Single prompts would replay the prompt graphs (runner.py), whose lengths were compiled at
+    # capture; the eager kernels of every size class are what mixed steps need.
+    padded, engine.runner.pad_prompts = engine.runner.pad_prompts, False
+    try:
+        _run_warm_up(engine, sizes, max_step_tokens, fits, progress)
+    finally:
+        engine.runner.pad_prompts = padded
+
+
+def _run_warm_up(engine: GpuEngine, sizes: list[int], max_step_tokens: int, fits: Callable[[int], bool],
+                 progress: Callable[[int, int], None] | None) -> None:
+    cfg = engine.config
     # A multi-sequence round: a prompt longer than one step (its second chunk reads the first from
     # the paged cache), shorter ones beside it (several sequences per step), then decode rows.
     mixed = [n for n in (max_step_tokens + max(1, max_step_tokens // 4), max(2, max_step_tokens // 3), 7) if fits(n)]
