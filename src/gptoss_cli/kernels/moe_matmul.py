@@ -2,7 +2,8 @@
 
 For each sorted row r (one token slot, see moe_routing.py) routed to expert e:
   gemm1:   act[r]      = swiglu(x[token(r)] @ W1_e^T + b1_e)      [S, I] in x.dtype, sorted order
-  gemm2:   y[slot(r)]  = w_slot * (act[r] @ W2_e^T + b2_e)         [S, C] fp32, slot order
+  gemm2:   y[slot(r)]  = w_slot * (act[r] @ W2_e^T + b2_e)         [S, C] fp32 (x.dtype with
+                                                                   MoeConfig.round_slots), slot order
   combine: out[t]      = sum_k y[t*K + k]                          [T, C] in x.dtype
 A program owns one tile of BLOCK_M sorted rows of one expert (from the routing tile table) and
 BLOCK_N output columns, so each packed weight tile is read once per tile, not once per token.

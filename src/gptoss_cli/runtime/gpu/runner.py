@@ -3,15 +3,16 @@
 Two paths. Eager: any mix of prefill chunks and decode tokens, metadata built on the host and
 copied once. Graph: steps where every sequence has one pending token replay a decode graph
 captured at warm-up for the smallest bucket >= the batch; padded rows point at scratch row 0
-(block 0) and produce nothing. A step that is one sequence's whole remaining prompt, up to
-PROMPT_BUCKETS[-1] tokens, replays a prompt graph captured for the smallest length bucket >= it:
-launching its ~400 kernels one by one cost the host ~22 ms, three times their GPU time at 128
-tokens (H200, 20b; docs/performance.md, session 16). Padded tokens attend to nothing, write their
-K/V to scratch block 0 and are not sampled. Inside the graph the sampled tokens become the next step's
+(block 0) and produce nothing. Inside the graph the sampled tokens become the next step's
 inputs and positions advance (kernels.decode_step), so a steady decode step only copies changed
 block-table entries in and the sampled ids out (the one host sync per step).
 `launch_decode_graph` / `collect` split that step so the engine can queue the next replay before
 reading the ids (overlap_steps).
+A step that is one sequence's whole remaining prompt, up to PROMPT_BUCKETS[-1] tokens, replays a
+prompt graph captured for the smallest length bucket >= it: launching its ~400 kernels one by one
+cost the host ~22 ms, three times their GPU time at 128 tokens (H200, 20b; docs/performance.md,
+session 16). Pad tokens come after the chunk, outside its cu_seqlens (no real query sees them),
+write their K/V to scratch block 0 and are not sampled.
 """
 
 from __future__ import annotations
