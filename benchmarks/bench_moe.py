@@ -128,7 +128,7 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
     grouping = {} if row_group is None else {"row_group": row_group}
-    # frag_scales: the fragment-order copy of gate_up's scales, as the engine prepares them
+    # frag_scales: the fragment-order copies of the scales, as the engine prepares them
     weights = [prepare_moe_weights(*_random_layer(case, device), frag_scales=True, **grouping) for _ in range(layers)]
     return _Setup(
         case, x, rw, rb, logits, routing, weights, MoeWorkspace.allocate(t, weights[0], k, dt, device),
@@ -167,8 +167,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "scale-shift": {"scale_unpack": "shift", "scale_unpack2": ""},  # sessions 11-14
     # Both gemms on fragment-order scale words (MoeWeights.w1_scales_frag / w2_scales_frag)
     "scale-frag": {"scale_unpack": "frag", "scale_unpack2": "frag"},
-    "masked-k": {"even_k": False},
-    "y-fp32": {"round_slots": False},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)  # K masks in every step even where K is whole K steps (before session 15)
+    "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
+    "y-fp32": {"round_slots": False},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096
     # (session 15, shifted scale words): gemm1 1,482 -> 1,853 us; ncu had L2 at 51 %, not the limit.

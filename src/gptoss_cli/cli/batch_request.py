@@ -13,21 +13,16 @@ from dataclasses import asdict, dataclass
 from ..runtime.api import SamplingParams
 from ..runtime.harmony import SystemConfig, render_prompt
 from .batch_input import RequestSpec
+from .sampling_settings import SamplingSettings
 
 # Seeds stay below 2**53 so that JSON readers that parse numbers as doubles keep them exact.
 _SEED_BITS = 53
 
 
-@dataclass(frozen=True)
-class RunDefaults:
+@dataclass
+class RunDefaults(SamplingSettings):
     """The command line's sampling and effort defaults (recorded in the resume sidecar)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = None
     effort: str = "medium"
 
     def to_dict(self) -> dict:
@@ -43,14 +38,7 @@ def effort_for(spec: RequestSpec, defaults: RunDefaults) -> str | None:
 
 def sampling_for(spec: RequestSpec, defaults: RunDefaults) -> SamplingParams:
     """Line overrides on top of the defaults, with a concrete seed."""
-    values = {
-        "temperature": defaults.temperature,
-        "top_p": defaults.top_p,
-        "top_k": defaults.top_k,
-        "min_p": defaults.min_p,
-        "seed": defaults.seed,
-        "max_tokens": defaults.max_tokens,
-    }
+    values = defaults.sampling_values()
     values.update(spec.sampling)
     if values["seed"] is None:
         values["seed"] = secrets.randbits(_SEED_BITS)

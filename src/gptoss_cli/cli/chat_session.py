@@ -20,6 +20,7 @@ from typing import Union
 
 from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
+from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
 from ..runtime.harmony import (
     Conversation,
@@ -45,18 +46,12 @@ SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "con
 
 
 @dataclass
-class ChatSettings:
+class ChatSettings(SamplingSettings):
     """Everything a user can change during a chat; saved with the conversation."""
 
     effort: str = "medium"
     developer: str | None = None
     reasoning: str = "collapse"  # show | collapse | hide
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = None
     context: int | None = None  # None: the engine's whole context
     truncate: str = "none"  # none | oldest
     raw: bool = False
@@ -71,8 +66,7 @@ class ChatSettings:
         self.sampling(self.max_tokens)  # SamplingParams validates the sampling fields
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, max_tokens=max_tokens)
+        return SamplingParams(**(self.sampling_values() | {"max_tokens": max_tokens}))
 
     @classmethod
     def from_dict(cls, data: dict) -> ChatSettings:
