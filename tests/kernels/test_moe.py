@@ -573,9 +573,10 @@ def test_pick_config_regimes():
     assert (big.scale_unpack, big.gemm2_scale_unpack) == ("join", "gather")
     assert (small.scale_unpack, small.gemm2_scale_unpack) == ("shift", "shift")
     # Weights with fragment-order words: both gemms read those at every tile height; nothing else changes
-    frag = {"scale_unpack": "frag", "scale_unpack2": "frag"}
+    frag = {"scale_unpack": "frag", "scale_unpack2": ""}
     assert pick_config(4096, 32, 4, frag_scales=True) == dataclasses.replace(big, **frag)
     assert pick_config(2048, 128, 4, frag_scales=True) == dataclasses.replace(small, **frag)
+    assert pick_config(4096, 32, 4, frag_scales=True).gemm2_scale_unpack == "frag"
     assert pick_config(64, 32, 4, frag_scales=True) == pick_config(64, 32, 4)
     with pytest.raises(ValueError, match="scale_unpack"):
         dataclasses.replace(big, scale_unpack="bytes")
@@ -583,9 +584,12 @@ def test_pick_config_regimes():
         dataclasses.replace(big, scale_unpack2="bytes")
     with pytest.raises(ValueError, match="gemm2 K step of 64"):
         dataclasses.replace(big, scale_unpack2="frag", block_k2=128)
+    with pytest.raises(ValueError, match="gemm2 K step of 64"):  # gemm2 follows gemm1's "frag" too
+        dataclasses.replace(big, scale_unpack="frag", scale_unpack2="", block_k2=128)
     with pytest.raises(ValueError, match="block_k 64"):
         dataclasses.replace(big, scale_unpack="frag", block_k=128)
-    assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="").gemm2_scale_unpack == "join"
+    assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="").gemm2_scale_unpack == "frag"
+    assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="gather").gemm2_scale_unpack == "gather"
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):

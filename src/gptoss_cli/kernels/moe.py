@@ -203,7 +203,7 @@ def moe_block(
     When the fused router runs (steps of at most moe_router.MAX_TOKENS tokens), the first norm
     runs inside the router launch and the second inside the combine, one program per token over a
     whole row (two launches less per layer at batch 1); otherwise the three steps run as written."""
-    cfg = pick_config(x.shape[0], w.num_experts, top_k)
+    cfg = pick_config(x.shape[0], w.num_experts, top_k, w.has_frag_scales)
     if not _router_fused(cfg, x.shape[0]):
         h, r = rms_norm(x, norm_weight, eps, residual)
         return rms_norm(moe_forward(h, router_weight, router_bias, w, top_k, limit, alpha, workspace),
@@ -231,8 +231,7 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
     x = x.contiguous()
     num_tokens, dt = x.shape[0], x.dtype
-    has_frag = w.w1_scales_frag is not None and w.w2_scales_frag is not None
-    cfg = config or pick_config(num_tokens, w.num_experts, top_k, has_frag)
+    cfg = config or pick_config(num_tokens, w.num_experts, top_k, w.has_frag_scales)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt, slot_dtype(cfg, dt)) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):

@@ -135,7 +135,7 @@ class MoeConfig:
     block_k2: int = 0
     maxnreg2: int | None = None
     # With scale_words, how gemm1 / gemm2 turn the words into bytes (_scale_tile; "" for gemm2: as
-    # gemm1): "join", "gather" or "shift". pick_config's choices per tile height come from H200
+    # gemm1): "join", "gather", "shift" or "frag". pick_config's choices per tile height come from H200
     # measurements (session 15, docs/optimizations.md). "frag" (gemm1, K step 64, weights with
     # MoeWeights.w1_scales_frag): one word per thread and step, gemm1's weight rows permuted within
     # each 16-row block to match, so the scale tile needs no conversion either (pick_config with
@@ -173,7 +173,7 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.scale_unpack2 must be '' or one of {SCALE_UNPACKS}, got {self.scale_unpack2!r}")
         if self.scale_unpack == "frag" and (self.block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
-        if self.scale_unpack2 == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
+        if self.gemm2_scale_unpack == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
         if self.round_slots and self.split_k > 1:
             raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
@@ -196,9 +196,8 @@ class MoeConfig:
 
     @property
     def gemm2_scale_unpack(self) -> str:
-        """gemm2's unpack: scale_unpack2, else gemm1's (but "frag" only where asked for: it needs the
-        weights' w2_scales_frag too, "join" otherwise)."""
-        return self.scale_unpack2 or ("join" if self.scale_unpack == "frag" else self.scale_unpack)
+        """gemm2's unpack: scale_unpack2, else gemm1's."""
+        return self.scale_unpack2 or self.scale_unpack
 
     @property
     def gemm1_rows(self) -> int:
@@ -288,7 +287,7 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
     # 120b 1,136 -> 1,091; 64-row tiles (120b T=2048), shifts -> frag: gemm1 1,358 -> 1,234 us,
     # gemm2 734 -> 656.
     if frag_scales:
-        unpack = {"scale_unpack": "frag", "scale_unpack2": "frag"}
+        unpack = {"scale_unpack": "frag"}
     else:
         unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
     # gemm2's per-slot outputs rounded to the activation dtype (round_slots): half of y's ~190 MB
@@ -320,6 +319,11 @@ class MoeWeights:
     row_group: int = 1
     w1_scales_frag: torch.Tensor | None = None  # [E, ceil(C/64), 2I, 2] u8 (module docstring)
     w2_scales_frag: torch.Tensor | None = None  # [E, ceil(I/64), C, 2] u8
+
+    @property
+    def has_frag_scales(self) -> bool:
+        """Both fragment-order copies are there (prepare_moe_weights builds them together)."""
+        return self.w1_scales_frag is not None and self.w2_scales_frag is not None
 
     @property
     def num_experts(self) -> int:
@@ -921,7 +925,7 @@ def _grid(routing: MoeRouting, columns: int, block_n: int, slices: int = 1) -> t
     return (routing.max_tiles * slices * triton.cdiv(columns, block_n),)
 
 
-def _frag_scales(scales: torch.Tensor | None, block_rows: int) -> torch.Tensor:
+def _checked_frag_scales(scales: torch.Tensor | None, block_rows: int) -> torch.Tensor:
     """The fragment-order scales a "frag" tile of `block_rows` weight rows reads, after checking it can."""
     if scales is None or block_rows % 16:
         raise ValueError("MoeConfig scale unpack 'frag' needs prepare_moe_weights(frag_scales=True) and "
@@ -948,7 +952,7 @@ def moe_gemm1_swiglu(
         return act
     slices = config.block_m // config.gemm1_rows
     scales_mode = _scale_mode(config, 2 * config.block_n1, config.scale_unpack)
-    scales = _frag_scales(w.w1_scales_frag, 2 * config.block_n1) if scales_mode == "frag" else w.w1_scales
+    scales = _checked_frag_scales(w.w1_scales_frag, 2 * config.block_n1) if scales_mode == "frag" else w.w1_scales
     _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1, slices)](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         scales, scales.stride(0), scales.stride(1), w.w1_bias,
@@ -979,7 +983,7 @@ def moe_gemm2(
     if routing.max_tiles == 0:
         return y
     scales_mode = _scale_mode(config, config.block_n2, config.gemm2_scale_unpack)
-    scales = _frag_scales(w.w2_scales_frag, config.block_n2) if scales_mode == "frag" else w.w2_scales
+    scales = _checked_frag_scales(w.w2_scales_frag, config.block_n2) if scales_mode == "frag" else w.w2_scales
     _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         scales, scales.stride(0), scales.stride(1), w.w2_bias,

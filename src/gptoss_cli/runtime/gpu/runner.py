@@ -62,6 +62,7 @@ class Runner:
         self._graph_seqs: list[Sequence] | None = None  # batch the static buffers describe
         max_step = model.moe_workspace.max_tokens
         self.prompt_buckets = tuple(b for b in PROMPT_BUCKETS if b <= max_step)
+        self._p_len = max(self.prompt_buckets, default=0)  # tokens per slab of the static prompt buffer
         self._prompt_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Whole-prompt steps go through the padded prompt step (a graph where captured); the CPU
         # tests turn it on to run the padded step eagerly.
@@ -151,7 +152,7 @@ class Runner:
         return int(self._p_out.item())
 
     def _alloc_prompt_static(self) -> None:
-        p, dev = max(self.prompt_buckets, default=0), self.device
+        p, dev = self._p_len, self.device
         # tokens, positions, full slots, slide slots [p]; then the table row, the logits row,
         # the sampling seed and offset: one host buffer, one copy per replay
         self._p_host = torch.zeros(4 * p + 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -166,7 +167,7 @@ class Runner:
     def _load_prompt(self, seq: Sequence, n: int, bucket: int) -> None:
         """The chunk's metadata into the static prompt buffers, padded to the bucket: pad tokens
         are token 0 at position 0, writing their K/V to slot 0 (scratch block 0)."""
-        p, bs, start = max(self.prompt_buckets), self.block_size, seq.num_computed
+        p, bs, start = self._p_len, self.block_size, seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int64)
         h = self._p_host.numpy()
         h[:] = 0
@@ -183,7 +184,7 @@ class Runner:
 
     def _prompt_body(self, bucket: int) -> None:
         """The captured prompt step for one sequence padded to `bucket` tokens: forward, sample."""
-        p, i64, i32, f32 = max(self.prompt_buckets), self._p_i64, self._p_i32, self._p_f32
+        p, i64, i32, f32 = self._p_len, self._p_i64, self._p_i32, self._p_f32
         row, last, seed, offset = (i64[4 * p + j:4 * p + j + 1] for j in range(4))
         batch = ForwardBatch(
             tokens=i64[:bucket], positions=i64[p:p + bucket], full_slots=i64[2 * p:2 * p + bucket],

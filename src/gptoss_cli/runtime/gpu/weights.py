@@ -61,7 +61,7 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
 
 
 def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: int,
-                    moe_frag_scales: bool = False) -> GpuWeights:
+                    moe_frag_scales: bool) -> GpuWeights:
     """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
     `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group);
     `moe_frag_scales`: also the experts' fragment-order scales (kernels.MoeWeights.w1_scales_frag,
