@@ -157,6 +157,10 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # One warpgroup per program and half-height weight tiles: two programs per SM, so one
     # dequantises while the other's wgmmas run, with no barrier between them.
     "w4": {"num_warps": 4, "block_n1": 32, "block_n2": 64},
+    # w4 with gemm1 on whole 256-row tiles: 254 registers, 2 programs per SM (offline sm_90). At
+    # ~128 rows per expert (120b, T=4096) a 128-row slice dequantises each weight tile again for
+    # the few rows past 128.
+    "w4-m256": {"num_warps": 4, "block_n1": 32, "block_n2": 64, "block_m": 256, "block_m1": 0},
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
     "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
     "regs-free": {"maxnreg": 0} | BOTH_GEMMS,  # decode tiles without the register cap (before session 8)
@@ -168,7 +172,12 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # Both gemms on fragment-order scale words (MoeWeights.w1_scales_frag / w2_scales_frag)
     "scale-frag": {"scale_unpack": "frag", "scale_unpack2": "frag"},
     "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
-    "y-fp32": {"round_slots": False},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)
+    "y-fp32": {"round_slots": False},
+    # MoeConfig.short_tiles: half-height bodies for tiles (gemm1: slices) at most half full, and
+    # quarter-height ones (2)
+    "short": {"short_tiles": 1},
+    "short2": {"short_tiles": 2},
+    "long": {"short_tiles": 0},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096
     # (session 15, shifted scale words): gemm1 1,482 -> 1,853 us; ncu had L2 at 51 %, not the limit.

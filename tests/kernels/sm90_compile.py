@@ -27,6 +27,8 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # Constexpr parameters left out take their defaults, as the launcher binds them.
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -121,22 +123,30 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
             raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
 
 
-def _loop_body(text: str) -> str:
-    """The SASS of a kernel's longest backward branch (its main K loop)."""
+def _loop_bodies(text: str, count: int = 1) -> list[str]:
+    """The SASS of a kernel's `count` longest backward branches (its main K loops), longest first."""
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
     loops = [(int(t.group(1), 16), a) for a, ins in rows if (t := re.search(r"BRA\s+0x([0-9a-f]+)", ins))]
-    start, end = max(((s, e) for s, e in loops if s < e), key=lambda se: se[1] - se[0])
-    return "\n".join(ins for a, ins in rows if start <= a <= end)
+    spans = sorted(((s, e) for s, e in loops if s < e), key=lambda se: se[0] - se[1])[:count]
+    return ["\n".join(ins for a, ins in rows if start <= a <= end) for start, end in spans]
 
 
-def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales: tuple[str, str] = ("bytes", "bytes")):
+def _loop_body(text: str) -> str:
+    """The SASS of a kernel's longest backward branch (its main K loop)."""
+    return _loop_bodies(text)[0]
+
+
+def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales: tuple[str, str] = ("bytes", "bytes"),
+             short: int = 0):
     """Prefill tiles (weights as wgmma's register operand) at a given tile height; gemm1 takes tiles
     taller than 128 rows in 128-row slices. `scales`: gemm1's and gemm2's SCALES (_scale_mode). Words
     must reach shared memory through cp.async like the weights (no byte-wide global load); with
     "join" or "frag" gemm1's dequantised tile must reach the wgmmas without a shared-memory round
     trip (no 4-matrix ldmatrix in its K loop) and the wgmmas must overlap (no wait for all of them
     inside it); with "frag" the scale tile needs no conversion either (at most 3 barriers per step).
-    With every scale mode the wgmmas of a K step must overlap (no wait for all of them in the loop)."""
+    With every scale mode the wgmmas of a K step must overlap (no wait for all of them in the loop).
+    `short`: MoeConfig.short_tiles, so each kernel holds a half-height copy of its K loop too (and a
+    quarter-height one with 2); the checks then hold for every loop, and neither kernel may spill."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -147,22 +157,33 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
               "A_FORMAT": fmt, "FAST_MATH": False, "OPERANDS": "swapped", "ROW_GROUP": mm.ROW_GROUP, "EVEN_K": True}
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
-                                "SUB_M": max(1, block_m // 128), "SCALES": scales[0]},
+                                "SUB_M": max(1, block_m // 128), "SCALES": scales[0],
+                                **_short_rows(min(block_m, 128), short)},
                       num_warps=8, num_stages=num_stages)
     # y in bf16: the prefill tiles round their slot outputs (MoeConfig.round_slots)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*bf16", "gamma_ptr": "*fp32"},
-                      common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1]}, num_warps=8, num_stages=num_stages)
+                      common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1], **_short_rows(block_m, short)},
+                      num_warps=8, num_stages=num_stages)
     for name, kernel, mode in (("gemm1", g1, scales[0]), ("gemm2", g2, scales[1])):
         byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load
         if num_stages > 1 and byte_loads != (mode == "bytes"):
             raise RuntimeError(f"{name}: scales {mode!r} but byte-wide global loads: {byte_loads}")
-        loop = _loop_body(sass(kernel))
-        if num_stages > 1 and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop:  # _mx_matmul's note on tl.assume
-            raise RuntimeError(f"{name}: scales {mode!r}, but the K loop waits for each wgmma (serialised)")
-        if mode in ("join", "frag") and "LDSM.16.M88.4" in loop:
-            raise RuntimeError(f"{name}: {mode} scale words, but the K loop has ldmatrix")
-        if mode == "frag" and loop.count("BAR.SYNC") > 3:  # "join" has 7: its scale tile is converted
-            raise RuntimeError(f"{name}: fragment-order scale words, but {loop.count('BAR.SYNC')} barriers per K step")
+        for loop in _loop_bodies(sass(kernel), 1 + short):
+            if num_stages > 1 and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop:  # _mx_matmul's note on tl.assume
+                raise RuntimeError(f"{name}: scales {mode!r}, but the K loop waits for each wgmma (serialised)")
+            if mode in ("join", "frag") and "LDSM.16.M88.4" in loop:
+                raise RuntimeError(f"{name}: {mode} scale words, but the K loop has ldmatrix")
+            if mode == "frag" and loop.count("BAR.SYNC") > 3:  # "join" has 7: its scale tile is converted
+                raise RuntimeError(f"{name}: fragment-order scale words, but {loop.count('BAR.SYNC')} barriers per K step")
+        if short:
+            _no_spills(kernel, f"{name} with short tiles")
+
+
+def _short_rows(rows: int, short: int) -> dict:
+    """The SHORT_M / TINY_M a launch passes for MoeConfig.short_tiles = `short`."""
+    from gptoss_cli.kernels.moe_matmul import MoeConfig, _short_rows
+
+    return _short_rows(MoeConfig("prefill", 16, 16, 16, 32, short_tiles=short), rows)
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
@@ -288,6 +309,7 @@ CASES = {
     "prefill-swapped-64-scale-words": lambda: _prefill(64, scales=("shift", "shift")),
     "prefill-swapped-256-scale-frag": lambda: _prefill(256, scales=("frag", "frag")),
     "prefill-swapped-64-scale-frag": lambda: _prefill(64, scales=("frag", "frag")),
+    "prefill-swapped-256-scale-frag-short": lambda: _prefill(256, scales=("frag", "frag"), short=2),
     "decode-attention-min-chunk": _decode_min_chunk,
     "decode-step-bookkeeping": _decode_step,
     "gemv1-asm": lambda: _gemv("gemv1"),

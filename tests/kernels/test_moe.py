@@ -266,6 +266,33 @@ def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_
         moe_gemm2(want, r, dataclasses.replace(w, w2_scales_frag=None), PREFILL_FRAG)
 
 
+@pytest.mark.parametrize("base", [PREFILL_SWAPPED, PREFILL_FRAG], ids=["bytes", "frag"])
+@pytest.mark.parametrize("short,block_m1", [(1, 32), (2, 0)], ids=["half", "half-and-quarter"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_tiles_match_twins(device, base, short, block_m1, dtype):
+    # 64-row routing tiles of experts with 70, 40, 20 and 10 rows: gemm2's tiles hold 64 + 6 | 40 |
+    # 20 | 10 rows, so with short_tiles 1 it runs the last three of them at 32 rows, and with 2 the
+    # 6- and 10-row tiles at 16. gemm1 in 32-row slices (short_tiles 1: 32 + 32 + 6 | 32 + 8 | 20 |
+    # 10, the 6, 8 and 10 at 16 rows) or in whole tiles like gemm2 (short_tiles 2).
+    config = dataclasses.replace(base, block_m=64, block_m1=block_m1, short_tiles=short)
+    experts, hidden, inter, top_k, tokens = 4, 64, 96, 2, 70
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), frag_scales=True)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    logits = 0.1 * torch.randn(tokens, experts)
+    logits[:, 0] = 3.0  # every token picks expert 0 first, then 1, 2 or 3 as its second
+    logits[torch.arange(tokens), torch.tensor([1] * 40 + [2] * 20 + [3] * 10)] = 2.0
+    r = route(logits.to(device), top_k, config.block_m)
+    assert r.expert_offsets.diff().tolist() == [70, 40, 20, 10]
+    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, config)
+    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
+    assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1 short tiles")
+    y = moe_gemm2(want, r, w, config)
+    assert_close(y.float(), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2 short tiles")
+    full = dataclasses.replace(config, short_tiles=0)
+    assert_close(act.float(), moe_gemm1_swiglu(x, r, w, 3.0, 1.702, full).float(), 1e-6, "gemm1 vs full tiles")
+    assert_close(y.float(), moe_gemm2(want, r, w, full).float(), 1e-6, "gemm2 vs full tiles")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_round_slots_stores_slot_outputs_in_the_activation_dtype(device, dtype):
     # MoeConfig.round_slots: gemm2's y in x's dtype (the twin's fp32 rounded once), the combine sums
@@ -590,6 +617,10 @@ def test_pick_config_regimes():
         dataclasses.replace(big, scale_unpack="frag", block_k=128)
     assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="").gemm2_scale_unpack == "frag"
     assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="gather").gemm2_scale_unpack == "gather"
+    # Tiles (gemm1: slices) at most half or a quarter full run at that height; not in the decode tiles
+    assert big.short_tiles == small.short_tiles == 2 and pick_config(64, 32, 4).short_tiles == 0
+    with pytest.raises(ValueError, match="short_tiles"):
+        dataclasses.replace(big, short_tiles=3)
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):
@@ -675,9 +706,10 @@ def test_real_shapes_bf16_decode_tiles(tokens, variant):
                                      {"scale_unpack": "gather", "scale_unpack2": ""},
                                      {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False},
                                      {"scale_unpack": "join", "scale_unpack2": ""},
-                                     {"scale_unpack": "frag", "scale_unpack2": "frag"}],
+                                     {"scale_unpack": "frag", "scale_unpack2": "frag"}, {"short_tiles": 1},
+                                     {"short_tiles": 0}],
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales", "scale-gather",
-                              "scale-shift", "masked-k", "scale-join", "scale-frag"])
+                              "scale-shift", "masked-k", "scale-join", "scale-frag", "half-short-tiles", "full-tiles"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
 

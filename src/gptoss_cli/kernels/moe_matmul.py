@@ -152,6 +152,12 @@ class MoeConfig:
     # theirs too) instead of fp32: half the bytes between gemm2 and the combine, which at T=4096
     # are ~190 MB per layer in fp32. Not with split_k > 1 (partial sums stay fp32).
     round_slots: bool = False
+    # Prefill tiles: a tile (gemm1: a slice) holding at most half its height in real rows runs a
+    # half-height copy of the kernel's body (1), or a quarter-height one where a quarter holds its
+    # rows (2), chosen per program at run time: the wgmmas, activation loads and epilogue scale
+    # with the tile height, used or not. At ~128 rows per expert (120b, 4k tokens) about half of
+    # gemm2's 256-row tiles and of gemm1's second 128-row slices are such tiles.
+    short_tiles: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -177,6 +183,8 @@ class MoeConfig:
             raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
         if self.round_slots and self.split_k > 1:
             raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
+        if self.short_tiles not in (0, 1, 2):
+            raise ValueError(f"MoeConfig.short_tiles must be 0, 1 or 2, got {self.short_tiles}")
         if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
             raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
 
@@ -292,10 +300,13 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
     # gemm2's per-slot outputs rounded to the activation dtype (round_slots): half of y's ~190 MB
     # per layer at T=4096 between gemm2 and the combine.
+    # Tiles (gemm1: slices) at most half / a quarter full run at that height (short_tiles 2). H200,
+    # bench_moe moe_forward per layer (session 17): 120b T=4096 2,908 -> 2,638 us (gemm2 1,074 ->
+    # 931), 20b T=4096 2,126 -> 2,053, T=1024 746 -> 679; TTFT of a 4k prompt 20b 68.6 -> 65.6 ms.
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
-        round_slots=True, **unpack,
+        round_slots=True, short_tiles=2, **unpack,
     )  # fmt: skip
 
 
@@ -464,13 +475,6 @@ def _k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * chunk
     return k_lo, tl.maximum(tl.minimum(chunk, K - k_lo), 0)
-
-
-@triton.jit
-def _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, first, BLOCK_M: tl.constexpr):
-    """Sorted rows [first, first + BLOCK_M) of a tile and which of them belong to its expert."""
-    rows = tl.load(tile_start_ptr + tile) + first + tl.arange(0, BLOCK_M)
-    return rows, rows < tl.load(offsets_ptr + expert + 1)
 
 
 @triton.jit
@@ -764,7 +768,7 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SUB_M: tl.constexpr, SCALES: tl.constexpr,
-    ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr, SHORT_M: tl.constexpr = 0, TINY_M: tl.constexpr = 0,
 ):  # fmt: skip
     # SUB_M programs share each routing tile of SUB_M * BLOCK_M rows, one BLOCK_M slice each.
     slice_id, nb = _tile_coords(tl.program_id(0), num_tiles * SUB_M, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -772,11 +776,42 @@ def _gemm1_swiglu_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    first = (slice_id % SUB_M) * BLOCK_M
+    start = tl.load(tile_start_ptr + tile) + (slice_id % SUB_M) * BLOCK_M
+    end = tl.load(offsets_ptr + expert + 1)  # the expert's rows end here
     if SUB_M > 1:
-        if tl.load(tile_start_ptr + tile) + first >= tl.load(offsets_ptr + expert + 1):
+        if start >= end:
             return  # a slice past its expert's last row
-    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, first, BLOCK_M)
+    w_base, s_base = w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se
+    bias_base = bias_ptr + expert * (2 * inter)
+    # MoeConfig.short_tiles: the body is inlined once per tile height, the choice made per program.
+    if SHORT_M > 0:
+        if TINY_M > 0:
+            if end - start <= TINY_M:
+                _gemm1_rows(x_ptr, stride_xt, w_base, stride_wn, s_base, stride_sg, bias_base, act_ptr, stride_at,
+                            sorted_slots_ptr, start, end, nb, hidden, inter, limit, alpha, TINY_M, TOP_K, BLOCK_N,
+                            BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+                return
+        if end - start <= SHORT_M:
+            _gemm1_rows(x_ptr, stride_xt, w_base, stride_wn, s_base, stride_sg, bias_base, act_ptr, stride_at,
+                        sorted_slots_ptr, start, end, nb, hidden, inter, limit, alpha, SHORT_M, TOP_K, BLOCK_N,
+                        BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+            return
+    _gemm1_rows(x_ptr, stride_xt, w_base, stride_wn, s_base, stride_sg, bias_base, act_ptr, stride_at,
+                sorted_slots_ptr, start, end, nb, hidden, inter, limit, alpha, BLOCK_M, TOP_K, BLOCK_N,
+                BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+
+
+@triton.jit
+def _gemm1_rows(
+    x_ptr, stride_xt, w_base, stride_wn, s_base, stride_sg, bias_base, act_ptr, stride_at, sorted_slots_ptr,
+    start, end, nb, hidden, inter, limit, alpha, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr,
+    ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """gemm1 + SwiGLU of sorted rows [start, min(start + BLOCK_M, end)) of one expert, column block nb."""
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
     tl.assume(hidden > 0)  # _mx_matmul's note on tl.assume
     tokens = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0) // TOP_K
     a_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + tl.arange(0, BLOCK_K)[None, :]
@@ -786,12 +821,11 @@ def _gemm1_swiglu_kernel(
     else:
         wrows = nb * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we, s_ptr + expert.to(tl.int64) * stride_se,
-        wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
+        a_ptrs, row_ok, w_base, s_base, wrows, wrows < 2 * inter, hidden, stride_wn, stride_sg,
         BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
         ROW_GROUP, EVEN_K,
     )  # fmt: skip
-    acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
+    acc += tl.load(bias_base + wrows, mask=wrows < 2 * inter, other=0.0)[None, :]
     if SCALES == "frag":
         acc = _frag_unpermute(acc, BLOCK_M, 2 * BLOCK_N)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -811,24 +845,57 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
     SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SHORT_M: tl.constexpr = 0, TINY_M: tl.constexpr = 0,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    rows, row_ok = _tile_rows(tile_start_ptr, offsets_ptr, tile, expert, 0, BLOCK_M)
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    wrows = _frag_rows(nb * BLOCK_N, BLOCK_N) if SCALES == "frag" else cols
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(offsets_ptr + expert + 1)  # the expert's rows end here
     k_lo, k_len = _k_range(inter, SPLIT_K, BLOCK_K)
     if SPLIT_K == 1:
         tl.assume(k_len > 0)  # _mx_matmul's note on tl.assume
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + k_lo + tl.arange(0, BLOCK_K)[None, :]
+    a_base = act_ptr + k_lo
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP
+    s_base = s_ptr + expert.to(tl.int64) * stride_se + (k_lo // (64 if SCALES == "frag" else 32)) * stride_sg
+    y_base = y_ptr + tl.program_id(1).to(tl.int64) * num_rows * stride_yt  # split-K slab
+    # MoeConfig.short_tiles: the body is inlined once per tile height, the choice made per program.
+    if SHORT_M > 0:
+        if TINY_M > 0:
+            if end - start <= TINY_M:
+                _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
+                            stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, TINY_M, BLOCK_N,
+                            BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+                return
+        if end - start <= SHORT_M:
+            _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
+                        stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N,
+                        BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+            return
+    _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
+                stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M, BLOCK_N,
+                BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+
+
+@triton.jit
+def _gemm2_rows(
+    act_ptr, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt, gamma_ptr,
+    sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
+    FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """gemm2 of sorted rows [start, min(start + BLOCK_M, end)) of one expert, output column block nb,
+    over the K chunk act_ptr / w_base / s_base start at (k_len long); stores into y_base's slab."""
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    wrows = _frag_rows(nb * BLOCK_N, BLOCK_N) if SCALES == "frag" else cols
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + tl.arange(0, BLOCK_K)[None, :]
     acc = _mx_matmul(
-        a_ptrs, row_ok, w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP,
-        s_ptr + expert.to(tl.int64) * stride_se + (k_lo // (64 if SCALES == "frag" else 32)) * stride_sg,
-        wrows, wrows < hidden, k_len, stride_wn, stride_sg,
+        a_ptrs, row_ok, w_base, s_base, wrows, wrows < hidden, k_len, stride_wn, stride_sg,
         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
         ROW_GROUP, EVEN_K,
     )  # fmt: skip
@@ -837,11 +904,11 @@ def _gemm2_kernel(
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
-    bias = tl.load(bias_ptr + expert * hidden + cols, mask=col_ok & (tl.program_id(1) == 0), other=0.0)
+    bias = tl.load(bias_base + cols, mask=col_ok & (tl.program_id(1) == 0), other=0.0)
     y = (acc + bias[None, :]) * gamma[:, None]
     # With SPLIT_K > 1, y holds SPLIT_K slabs of [S, C]: moe_combine sums them.
-    y_ptrs = y_ptr + (tl.program_id(1) * num_rows + slots[:, None]).to(tl.int64) * stride_yt + cols[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    y_ptrs = y_base + slots[:, None].to(tl.int64) * stride_yt + cols[None, :]
+    tl.store(y_ptrs, y.to(y_base.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -925,6 +992,15 @@ def _grid(routing: MoeRouting, columns: int, block_n: int, slices: int = 1) -> t
     return (routing.max_tiles * slices * triton.cdiv(columns, block_n),)
 
 
+def _short_rows(config: MoeConfig, rows: int) -> dict:
+    """SHORT_M and TINY_M of a kernel whose programs take `rows` sorted rows: the half- and
+    quarter-height bodies' rows (MoeConfig.short_tiles), 0 where off or below the 16 rows a tile
+    needs."""
+    short = rows // 2 if config.short_tiles >= 1 and rows >= 32 else 0
+    tiny = rows // 4 if config.short_tiles >= 2 and rows >= 64 else 0
+    return {"SHORT_M": short, "TINY_M": tiny}
+
+
 def _checked_frag_scales(scales: torch.Tensor | None, block_rows: int) -> torch.Tensor:
     """The fragment-order scales a "frag" tile of `block_rows` weight rows reads, after checking it can."""
     if scales is None or block_rows % 16:
@@ -963,6 +1039,7 @@ def moe_gemm1_swiglu(
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=config.operands, SCALES=scales_mode,
         SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
+        **_short_rows(config, config.gemm1_rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.maxnreg),
     )  # fmt: skip
@@ -994,6 +1071,7 @@ def moe_gemm2(
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k, SCALES=scales_mode,
         ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,
+        **_short_rows(config, config.block_m),
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.gemm2_maxnreg),
     )  # fmt: skip
