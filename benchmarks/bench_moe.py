@@ -172,12 +172,13 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # Both gemms on fragment-order scale words (MoeWeights.w1_scales_frag / w2_scales_frag)
     "scale-frag": {"scale_unpack": "frag", "scale_unpack2": "frag"},
     "masked-k": {"even_k": False},  # K masks in every step even where K is whole K steps (before session 15)
-    "y-fp32": {"round_slots": False},
-    # MoeConfig.short_tiles: half-height bodies for tiles (gemm1: slices) at most half full, and
-    # quarter-height ones (2)
-    "short": {"short_tiles": 1},
-    "short2": {"short_tiles": 2},
-    "long": {"short_tiles": 0},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)
+    "y-fp32": {"round_slots": False},  # prefill: gemm2's per-slot outputs in fp32 (before session 16)
+    # MoeConfig.short_tiles / pair_tiles (prefill; before session 17: "long"): half-height bodies
+    # for tiles (gemm1: slices) at most half full, and quarter-height ones (2)
+    "short": {"short_tiles": 1, "pair_tiles": False},
+    "short2": {"short_tiles": 2, "pair_tiles": False},
+    "pairs": {"short_tiles": 2, "pair_tiles": True},  # gemm2: half + an eighth / a quarter, two dots
+    "long": {"short_tiles": 0, "pair_tiles": False},
     # gemm1 on 256 weight rows (128 activation columns) per program: half the activation bytes per
     # FLOP from L2, 231 registers (no spills, offline sm_90), one program per SM. H200, 20b T=4096
     # (session 15, shifted scale words): gemm1 1,482 -> 1,853 us; ncu had L2 at 51 %, not the limit.

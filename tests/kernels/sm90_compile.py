@@ -137,7 +137,7 @@ def _loop_body(text: str) -> str:
 
 
 def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales: tuple[str, str] = ("bytes", "bytes"),
-             short: int = 0):
+             short: int = 0, pairs: bool = False):
     """Prefill tiles (weights as wgmma's register operand) at a given tile height; gemm1 takes tiles
     taller than 128 rows in 128-row slices. `scales`: gemm1's and gemm2's SCALES (_scale_mode). Words
     must reach shared memory through cp.async like the weights (no byte-wide global load); with
@@ -146,7 +146,8 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
     inside it); with "frag" the scale tile needs no conversion either (at most 3 barriers per step).
     With every scale mode the wgmmas of a K step must overlap (no wait for all of them in the loop).
     `short`: MoeConfig.short_tiles, so each kernel holds a half-height copy of its K loop too (and a
-    quarter-height one with 2); the checks then hold for every loop, and neither kernel may spill."""
+    quarter-height one with 2); `pairs`: MoeConfig.pair_tiles, gemm2's two loops of two dots each.
+    The checks then hold for every loop, and neither kernel may spill."""
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
@@ -158,17 +159,18 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
     g1 = compile_sm90(mm._gemm1_swiglu_kernel, ptrs | {"x_ptr": "*bf16", "act_ptr": "*bf16"},
                       common | {"TOP_K": 4, "BLOCK_N": 64, "BLOCK_M": min(block_m, 128),
                                 "SUB_M": max(1, block_m // 128), "SCALES": scales[0],
-                                **_short_rows(min(block_m, 128), short)},
+                                **_tile_heights(min(block_m, 128), short)},
                       num_warps=8, num_stages=num_stages)
     # y in bf16: the prefill tiles round their slot outputs (MoeConfig.round_slots)
     g2 = compile_sm90(mm._gemm2_kernel, ptrs | {"act_ptr": "*bf16", "y_ptr": "*bf16", "gamma_ptr": "*fp32"},
-                      common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1], **_short_rows(block_m, short)},
+                      common | {"BLOCK_N": 128, "SPLIT_K": 1, "SCALES": scales[1],
+                                **_tile_heights(block_m, short, pairs)},
                       num_warps=8, num_stages=num_stages)
     for name, kernel, mode in (("gemm1", g1, scales[0]), ("gemm2", g2, scales[1])):
         byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load
         if num_stages > 1 and byte_loads != (mode == "bytes"):
             raise RuntimeError(f"{name}: scales {mode!r} but byte-wide global loads: {byte_loads}")
-        for loop in _loop_bodies(sass(kernel), 1 + short):
+        for loop in _loop_bodies(sass(kernel), 1 + short + (2 if pairs and name == "gemm2" else 0)):
             if num_stages > 1 and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop:  # _mx_matmul's note on tl.assume
                 raise RuntimeError(f"{name}: scales {mode!r}, but the K loop waits for each wgmma (serialised)")
             if mode in ("join", "frag") and "LDSM.16.M88.4" in loop:
@@ -179,11 +181,12 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
             _no_spills(kernel, f"{name} with short tiles")
 
 
-def _short_rows(rows: int, short: int) -> dict:
-    """The SHORT_M / TINY_M a launch passes for MoeConfig.short_tiles = `short`."""
-    from gptoss_cli.kernels.moe_matmul import MoeConfig, _short_rows
+def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
+    """The SHORT_M / TINY_M (gemm2 with `pairs`: and PAIR_M) a launch passes for
+    MoeConfig.short_tiles = `short` and pair_tiles = `pairs`."""
+    from gptoss_cli.kernels.moe_matmul import MoeConfig, _tile_heights
 
-    return _short_rows(MoeConfig("prefill", 16, 16, 16, 32, short_tiles=short), rows)
+    return _tile_heights(MoeConfig("prefill", 16, 16, 16, 32, short_tiles=short, pair_tiles=pairs), rows, pairs)
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
@@ -310,6 +313,7 @@ CASES = {
     "prefill-swapped-256-scale-frag": lambda: _prefill(256, scales=("frag", "frag")),
     "prefill-swapped-64-scale-frag": lambda: _prefill(64, scales=("frag", "frag")),
     "prefill-swapped-256-scale-frag-short": lambda: _prefill(256, scales=("frag", "frag"), short=2),
+    "prefill-swapped-256-scale-frag-pairs": lambda: _prefill(256, scales=("frag", "frag"), short=2, pairs=True),
     "decode-attention-min-chunk": _decode_min_chunk,
     "decode-step-bookkeeping": _decode_step,
     "gemv1-asm": lambda: _gemv("gemv1"),

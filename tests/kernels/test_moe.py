@@ -34,6 +34,7 @@ from gptoss_cli.kernels.moe_matmul import (
     moe_gemm1_swiglu_ref,
     moe_gemm2,
     moe_gemm2_ref,
+    _tile_heights,
 )
 from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
 from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
@@ -266,6 +267,29 @@ def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_
         moe_gemm2(want, r, dataclasses.replace(w, w2_scales_frag=None), PREFILL_FRAG)
 
 
+def _routing_by_choice(choices: list[list[int]], experts: int, block_m: int, device):
+    """Routing where choice c of token t is expert choices[c][t] (logits 3, 2, 1, ... in that order)."""
+    tokens = len(choices[0])
+    logits = 0.1 * torch.randn(tokens, experts)
+    for c, picks in enumerate(choices):
+        logits[torch.arange(tokens), torch.tensor(picks)] = 3.0 - c
+    return route(logits.to(device), len(choices), block_m)
+
+
+def _check_tiles(device, config, r, hidden, inter, dtype):
+    """gemm1 and gemm2 of `config` against their twins, and against the same tiles at full height."""
+    w = prepare_moe_weights(*_raw_weights(r.num_experts, hidden, inter, device), frag_scales=True)
+    x = torch.randn(r.num_tokens, hidden, device=device).to(dtype)
+    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, config)
+    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
+    assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1")
+    y = moe_gemm2(want, r, w, config)
+    assert_close(y.float(), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2")
+    full = dataclasses.replace(config, short_tiles=0, pair_tiles=False)
+    assert_close(act.float(), moe_gemm1_swiglu(x, r, w, 3.0, 1.702, full).float(), 1e-6, "gemm1 vs full tiles")
+    assert_close(y.float(), moe_gemm2(want, r, w, full).float(), 1e-6, "gemm2 vs full tiles")
+
+
 @pytest.mark.parametrize("base", [PREFILL_SWAPPED, PREFILL_FRAG], ids=["bytes", "frag"])
 @pytest.mark.parametrize("short,block_m1", [(1, 32), (2, 0)], ids=["half", "half-and-quarter"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -275,22 +299,23 @@ def test_short_tiles_match_twins(device, base, short, block_m1, dtype):
     # 6- and 10-row tiles at 16. gemm1 in 32-row slices (short_tiles 1: 32 + 32 + 6 | 32 + 8 | 20 |
     # 10, the 6, 8 and 10 at 16 rows) or in whole tiles like gemm2 (short_tiles 2).
     config = dataclasses.replace(base, block_m=64, block_m1=block_m1, short_tiles=short)
-    experts, hidden, inter, top_k, tokens = 4, 64, 96, 2, 70
-    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), frag_scales=True)
-    x = torch.randn(tokens, hidden, device=device).to(dtype)
-    logits = 0.1 * torch.randn(tokens, experts)
-    logits[:, 0] = 3.0  # every token picks expert 0 first, then 1, 2 or 3 as its second
-    logits[torch.arange(tokens), torch.tensor([1] * 40 + [2] * 20 + [3] * 10)] = 2.0
-    r = route(logits.to(device), top_k, config.block_m)
+    r = _routing_by_choice([[0] * 70, [1] * 40 + [2] * 20 + [3] * 10], 4, config.block_m, device)
     assert r.expert_offsets.diff().tolist() == [70, 40, 20, 10]
-    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, config)
-    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
-    assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1 short tiles")
-    y = moe_gemm2(want, r, w, config)
-    assert_close(y.float(), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2 short tiles")
-    full = dataclasses.replace(config, short_tiles=0)
-    assert_close(act.float(), moe_gemm1_swiglu(x, r, w, 3.0, 1.702, full).float(), 1e-6, "gemm1 vs full tiles")
-    assert_close(y.float(), moe_gemm2(want, r, w, full).float(), 1e-6, "gemm2 vs full tiles")
+    _check_tiles(device, config, r, 64, 96, dtype)
+
+
+@pytest.mark.parametrize("base", [PREFILL_SWAPPED, PREFILL_FRAG], ids=["bytes", "frag"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_tiles_match_twins(device, base, dtype):
+    # 128-row tiles with short_tiles 2 and pair_tiles: gemm2 runs <= 32 rows at 32, <= 64 at 64,
+    # <= 80 as 64 + 16 and <= 96 as 64 + 32 (two dots on each weight tile), more at 128. Experts of
+    # 168, 110, 96, 80, 30 and 20 rows hold tiles of 128 + 40 | 110 | 96 | 80 | 30 | 20: every
+    # height, the pairs filled to their last row.
+    config = dataclasses.replace(base, block_m=128, block_m1=0, short_tiles=2, pair_tiles=True)
+    first, second, third = [0] * 168, [1] * 110 + [2] * 58, [2] * 38 + [3] * 80 + [4] * 30 + [5] * 20
+    r = _routing_by_choice([first, second, third], 6, config.block_m, device)
+    assert r.expert_offsets.diff().tolist() == [168, 110, 96, 80, 30, 20]
+    _check_tiles(device, config, r, 64, 96, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -619,8 +644,14 @@ def test_pick_config_regimes():
     assert dataclasses.replace(big, scale_unpack="frag", scale_unpack2="gather").gemm2_scale_unpack == "gather"
     # Tiles (gemm1: slices) at most half or a quarter full run at that height; not in the decode tiles
     assert big.short_tiles == small.short_tiles == 2 and pick_config(64, 32, 4).short_tiles == 0
+    assert big.pair_tiles and not pick_config(64, 32, 4).pair_tiles  # gemm2's half + eighth / quarter
     with pytest.raises(ValueError, match="short_tiles"):
         dataclasses.replace(big, short_tiles=3)
+    # pair_tiles only where the quarter-height body exists and the tiles are swapped
+    assert _tile_heights(big, 256, pairs=True) == {"SHORT_M": 128, "TINY_M": 64, "PAIR_M": 32}
+    assert _tile_heights(dataclasses.replace(big, short_tiles=1), 256, pairs=True)["PAIR_M"] == 0
+    assert _tile_heights(dataclasses.replace(big, swap_ab=False), 256, pairs=True)["PAIR_M"] == 0
+    assert _tile_heights(big, 128) == {"SHORT_M": 64, "TINY_M": 32}  # gemm1: no pairs
     with pytest.raises(ValueError, match="block_m1"):
         MoeConfig("prefill", block_m=32, block_n1=32, block_n2=32, block_k=32, block_m1=48)
     with pytest.raises(ValueError, match="swap_ab"):
@@ -706,12 +737,21 @@ def test_real_shapes_bf16_decode_tiles(tokens, variant):
                                      {"scale_unpack": "gather", "scale_unpack2": ""},
                                      {"scale_unpack": "shift", "scale_unpack2": ""}, {"even_k": False},
                                      {"scale_unpack": "join", "scale_unpack2": ""},
-                                     {"scale_unpack": "frag", "scale_unpack2": "frag"}, {"short_tiles": 1},
-                                     {"short_tiles": 0}],
+                                     {"scale_unpack": "frag", "scale_unpack2": "frag"},
+                                     {"short_tiles": 1, "pair_tiles": False}, {"short_tiles": 0, "pair_tiles": False}],
                          ids=["sliced-gemm1", "256-row-gemm1", "128-row-tiles", "byte-scales", "scale-gather",
                               "scale-shift", "masked-k", "scale-join", "scale-frag", "half-short-tiles", "full-tiles"])
 def test_real_shapes_bf16_prefill_tiles(variant):
     _check_real_shapes_bf16(4096, variant)  # ~512 rows per expert: 256-row tiles
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", [{}, {"pair_tiles": False}, {"short_tiles": 0, "pair_tiles": False}],
+                         ids=["default", "no-pairs", "full-tiles"])
+def test_real_shapes_bf16_prefill_tiles_128_experts(variant):
+    # 120b's ~128 rows per expert at 4k tokens: 256-row tiles about half full, so the half-height
+    # and (with pair_tiles) the half-plus-eighth bodies run.
+    _check_real_shapes_bf16(4096, variant, experts=128)
 
 
 @requires_gpu
@@ -728,8 +768,8 @@ def test_real_shapes_row_groups_agree(tokens, row_group):
     assert torch.equal(moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k), want)
 
 
-def _check_real_shapes_bf16(tokens: int, variant: dict) -> None:
-    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+def _check_real_shapes_bf16(tokens: int, variant: dict, experts: int = 32) -> None:
+    hidden, inter, top_k = 2880, 2880, 4
     raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)

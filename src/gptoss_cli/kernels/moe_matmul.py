@@ -158,6 +158,12 @@ class MoeConfig:
     # with the tile height, used or not. At ~128 rows per expert (120b, 4k tokens) about half of
     # gemm2's 256-row tiles and of gemm1's second 128-row slices are such tiles.
     short_tiles: int = 0
+    # gemm2, with short_tiles 2 and swap_ab (ignored otherwise): a tile with more than half but at
+    # most 5/8 or 3/4 of its height in rows runs as a half-height tile plus an eighth- or
+    # quarter-height one, two dots sharing each dequantised weight tile (_mx_matmul_pair). At ~128
+    # rows per expert most of the 256-row tiles over half full hold up to ~160 rows. gemm1 keeps its
+    # slices: a second accumulator would take it past the 128 registers that fit two programs per SM.
+    pair_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
@@ -302,11 +308,13 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
     # per layer at T=4096 between gemm2 and the combine.
     # Tiles (gemm1: slices) at most half / a quarter full run at that height (short_tiles 2). H200,
     # bench_moe moe_forward per layer (session 17): 120b T=4096 2,908 -> 2,638 us (gemm2 1,074 ->
-    # 931), 20b T=4096 2,126 -> 2,053, T=1024 746 -> 679; TTFT of a 4k prompt 20b 68.6 -> 65.6 ms.
+    # 931), 20b T=4096 2,126 -> 2,053, T=1024 746 -> 679; TTFT of a 4k prompt 20b 68.6 -> 65.6 ms,
+    # 120b 133.6 -> 118.5. gemm2's tiles up to 5/8 or 3/4 full as two dots (pair_tiles): 120b
+    # T=4096 gemm2 904 -> 858 us, TTFT 118.8 -> 117.4 ms; 20b unchanged.
     return MoeConfig(
         "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
         num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
-        round_slots=True, short_tiles=2, **unpack,
+        round_slots=True, short_tiles=2, pair_tiles=True, **unpack,
     )  # fmt: skip
 
 
@@ -578,6 +586,15 @@ def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
+def _dequant_tile(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  A_FORMAT: tl.constexpr):
+    """W_tile [BLOCK_N, BLOCK_K] in the dot's dtype: packed bf16 by the asm, else via fp32."""
+    if A_FORMAT == "asm" or A_FORMAT == "asm-folded":
+        return _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K, A_FORMAT == "asm-folded")
+    return _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+
+
+@triton.jit
 def _mx_dot(
     acc, a, blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr,
@@ -600,10 +617,7 @@ def _mx_dot(
             acc = tl.dot(a_even, tl.trans(lo), acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a_odd, tl.trans(hi), acc, input_precision=DOT_PRECISION)
         else:
-            if ASM:
-                w = _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K, A_FORMAT == "asm-folded")
-            else:
-                w = _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(dt)
+            w = _dequant_tile(blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, A_FORMAT)
             if OPERANDS == "swapped":
                 acc = tl.dot(w, tl.trans(a.to(dt)), acc, input_precision=DOT_PRECISION)
             else:
@@ -731,24 +745,16 @@ def _mx_matmul(
     non-wgmma writes to them while wgmmas are in flight (C7515), serialises every wgmma of the
     loop (offline sm_90: gemm2 at every tile height, gemm1 at 64 rows; session 16).
     """
-    g = tl.arange(0, BLOCK_K // 32)
-    kk = tl.arange(0, BLOCK_K)
-    # Pointers are built once and advanced: the loop body does no per-element index math.
-    blk_ptrs = (w_base + _row_offsets(wrows, stride_wn, ROW_GROUP)[:, None, None]
-                + g[None, :, None] * (BLOCK_BYTES * ROW_GROUP) + tl.arange(0, 16)[None, None, :])
-    scl_ptrs, scl_step, scl_ok = _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N, BLOCK_K, SCALES)
+    blk_ptrs, scl_ptrs, scl_step, scl_ok = _weight_pointers(w_base, s_base, wrows, wrow_ok, stride_wn, stride_sg,
+                                                            BLOCK_N, BLOCK_K, SCALES, ROW_GROUP)
     if OPERANDS == "swapped":
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        left = K - k0
-        if EVEN_K:  # the loads' predicates then stay loop-invariant
-            left = BLOCK_K
-        a = tl.load(a_ptrs, mask=a_row_ok[:, None] & (kk < left)[None, :], other=0.0)
-        g_ok = g < left // 32
-        blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
-        scl = _scale_tile(scl_ptrs, scl_ok, g_ok, BLOCK_N, BLOCK_K, SCALES)
+        left = BLOCK_K if EVEN_K else K - k0  # EVEN_K: the loads' predicates stay loop-invariant
+        a = _activation_step(a_ptrs, a_row_ok, left, BLOCK_K)
+        blk, scl = _weight_step(blk_ptrs, scl_ptrs, scl_ok, wrow_ok, left, BLOCK_N, BLOCK_K, SCALES)
         acc = _mx_dot(acc, a, blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS)
         a_ptrs += BLOCK_K
         blk_ptrs += (BLOCK_K // 32) * BLOCK_BYTES * ROW_GROUP
@@ -756,6 +762,63 @@ def _mx_matmul(
     if OPERANDS == "swapped":
         acc = tl.trans(acc)
     return acc
+
+
+@triton.jit
+def _mx_matmul_pair(
+    a_ptrs, a_row_ok, a2_ptrs, a2_row_ok, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+    BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, SCALES: tl.constexpr,
+    ROW_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """_mx_matmul ("swapped" only) for two activation tiles of BLOCK_M and BLOCK_M2 rows that share
+    each dequantised weight tile: two dots per K step, so a tile of BLOCK_M + BLOCK_M2 rows (not a
+    power of two) costs that many rows of wgmma (MoeConfig.pair_tiles). Returns both products."""
+    blk_ptrs, scl_ptrs, scl_step, scl_ok = _weight_pointers(w_base, s_base, wrows, wrow_ok, stride_wn, stride_sg,
+                                                            BLOCK_N, BLOCK_K, SCALES, ROW_GROUP)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
+    dt: tl.constexpr = tl.bfloat16 if A_FORMAT == "asm" or A_FORMAT == "asm-folded" else DOT_DTYPE
+    for k0 in range(0, K, BLOCK_K):
+        left = BLOCK_K if EVEN_K else K - k0
+        a = _activation_step(a_ptrs, a_row_ok, left, BLOCK_K)
+        a2 = _activation_step(a2_ptrs, a2_row_ok, left, BLOCK_K)
+        blk, scl = _weight_step(blk_ptrs, scl_ptrs, scl_ok, wrow_ok, left, BLOCK_N, BLOCK_K, SCALES)
+        w = _dequant_tile(blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, A_FORMAT)
+        acc = tl.dot(w, tl.trans(a.to(dt)), acc, input_precision=DOT_PRECISION)
+        acc2 = tl.dot(w, tl.trans(a2.to(dt)), acc2, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        a2_ptrs += BLOCK_K
+        blk_ptrs += (BLOCK_K // 32) * BLOCK_BYTES * ROW_GROUP
+        scl_ptrs += scl_step
+    return tl.trans(acc), tl.trans(acc2)
+
+
+@triton.jit
+def _weight_pointers(w_base, s_base, wrows, wrow_ok, stride_wn, stride_sg, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr):
+    """The first K step's packed-byte pointers [BLOCK_N, BLOCK_K // 32, 16] and _scale_pointers'
+    (pointers, advance per step, mask), built once and advanced: the loop does no index math."""
+    g = tl.arange(0, BLOCK_K // 32)
+    blk_ptrs = (w_base + _row_offsets(wrows, stride_wn, ROW_GROUP)[:, None, None]
+                + g[None, :, None] * (BLOCK_BYTES * ROW_GROUP) + tl.arange(0, 16)[None, None, :])
+    scl_ptrs, scl_step, scl_ok = _scale_pointers(s_base, wrows, wrow_ok, g, stride_sg, BLOCK_N, BLOCK_K, SCALES)
+    return blk_ptrs, scl_ptrs, scl_step, scl_ok
+
+
+@triton.jit
+def _activation_step(a_ptrs, a_row_ok, left, BLOCK_K: tl.constexpr):
+    """One K step's activation tile; `left` = K values from this step on."""
+    return tl.load(a_ptrs, mask=a_row_ok[:, None] & (tl.arange(0, BLOCK_K) < left)[None, :], other=0.0)
+
+
+@triton.jit
+def _weight_step(blk_ptrs, scl_ptrs, scl_ok, wrow_ok, left, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SCALES: tl.constexpr):
+    """One K step's packed bytes and scale tile (_scale_tile); `left` as in _activation_step."""
+    g_ok = tl.arange(0, BLOCK_K // 32) < left // 32
+    blk = tl.load(blk_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
+    return blk, _scale_tile(scl_ptrs, scl_ok, g_ok, BLOCK_N, BLOCK_K, SCALES)
 
 
 # Counts that vary with the step are not specialised (= 1, divisible by 16): each new
@@ -845,7 +908,7 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr, FAST_MATH: tl.constexpr,
     SPLIT_K: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, SHORT_M: tl.constexpr = 0, TINY_M: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, SHORT_M: tl.constexpr = 0, TINY_M: tl.constexpr = 0, PAIR_M: tl.constexpr = 0,
 ):  # fmt: skip
     tile, nb = _tile_coords(tl.program_id(0), num_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
@@ -860,22 +923,35 @@ def _gemm2_kernel(
     w_base = w_ptr + expert.to(tl.int64) * stride_we + (k_lo // 32) * BLOCK_BYTES * ROW_GROUP
     s_base = s_ptr + expert.to(tl.int64) * stride_se + (k_lo // (64 if SCALES == "frag" else 32)) * stride_sg
     y_base = y_ptr + tl.program_id(1).to(tl.int64) * num_rows * stride_yt  # split-K slab
-    # MoeConfig.short_tiles: the body is inlined once per tile height, the choice made per program.
+    bias_base = bias_ptr + expert * hidden
+    # MoeConfig.short_tiles / pair_tiles: the body is inlined once per tile height, the choice made
+    # per program from the rows the tile holds.
     if SHORT_M > 0:
         if TINY_M > 0:
             if end - start <= TINY_M:
-                _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
-                            stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, TINY_M, BLOCK_N,
-                            BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+                _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
+                            gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, TINY_M, BLOCK_N, BLOCK_K,
+                            DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
                 return
         if end - start <= SHORT_M:
-            _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
-                        stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N,
-                        BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+            _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
+                        gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N, BLOCK_K,
+                        DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
             return
-    _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_ptr + expert * hidden, y_base,
-                stride_yt, gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M, BLOCK_N,
-                BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
+        if PAIR_M > 0:
+            if end - start <= SHORT_M + PAIR_M:
+                _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
+                            gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N, BLOCK_K,
+                            DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K, PAIR_M)
+                return
+            if end - start <= SHORT_M + 2 * PAIR_M:
+                _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
+                            gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N, BLOCK_K,
+                            DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K, 2 * PAIR_M)
+                return
+    _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
+                gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M, BLOCK_N, BLOCK_K,
+                DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K)
 
 
 @triton.jit
@@ -884,23 +960,43 @@ def _gemm2_rows(
     sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, A_FORMAT: tl.constexpr,
     FAST_MATH: tl.constexpr, OPERANDS: tl.constexpr, SCALES: tl.constexpr, ROW_GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M2: tl.constexpr = 0,
 ):  # fmt: skip
-    """gemm2 of sorted rows [start, min(start + BLOCK_M, end)) of one expert, output column block nb,
-    over the K chunk act_ptr / w_base / s_base start at (k_len long); stores into y_base's slab."""
+    """gemm2 of sorted rows [start, min(start + BLOCK_M + BLOCK_M2, end)) of one expert, output column
+    block nb, over the K chunk act_ptr / w_base / s_base start at (k_len long); stores into y_base's
+    slab. BLOCK_M2 > 0: the rows past BLOCK_M as a second dot on the same weight tiles (pair_tiles)."""
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     wrows = _frag_rows(nb * BLOCK_N, BLOCK_N) if SCALES == "frag" else cols
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + tl.arange(0, BLOCK_K)[None, :]
-    acc = _mx_matmul(
-        a_ptrs, row_ok, w_base, s_base, wrows, wrows < hidden, k_len, stride_wn, stride_sg,
-        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
-        ROW_GROUP, EVEN_K,
-    )  # fmt: skip
+    if BLOCK_M2 > 0:
+        rows2 = start + BLOCK_M + tl.arange(0, BLOCK_M2)
+        row_ok2 = rows2 < end
+        a2_ptrs = act_ptr + rows2[:, None].to(tl.int64) * stride_at + tl.arange(0, BLOCK_K)[None, :]
+        acc, acc2 = _mx_matmul_pair(
+            a_ptrs, row_ok, a2_ptrs, row_ok2, w_base, s_base, wrows, wrows < hidden, k_len, stride_wn, stride_sg,
+            BLOCK_M, BLOCK_M2, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, SCALES, ROW_GROUP, EVEN_K,
+        )  # fmt: skip
+        _gemm2_store(acc2, rows2, row_ok2, cols, hidden, bias_base, gamma_ptr, sorted_slots_ptr, y_base, stride_yt,
+                     BLOCK_M2, BLOCK_N, SCALES)
+    else:
+        acc = _mx_matmul(
+            a_ptrs, row_ok, w_base, s_base, wrows, wrows < hidden, k_len, stride_wn, stride_sg,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES,
+            ROW_GROUP, EVEN_K,
+        )  # fmt: skip
+    _gemm2_store(acc, rows, row_ok, cols, hidden, bias_base, gamma_ptr, sorted_slots_ptr, y_base, stride_yt,
+                 BLOCK_M, BLOCK_N, SCALES)
+
+
+@triton.jit
+def _gemm2_store(acc, rows, row_ok, cols, hidden, bias_base, gamma_ptr, sorted_slots_ptr, y_base, stride_yt,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALES: tl.constexpr):
+    """gemm2's epilogue for acc [BLOCK_M, BLOCK_N] of sorted `rows`: bias, routing weight, store."""
     if SCALES == "frag":
         acc = _frag_unpermute(acc, BLOCK_M, BLOCK_N)
+    col_ok = cols < hidden
     slots = tl.load(sorted_slots_ptr + rows, mask=row_ok, other=0)
     gamma = tl.load(gamma_ptr + slots, mask=row_ok, other=0.0)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
@@ -992,13 +1088,16 @@ def _grid(routing: MoeRouting, columns: int, block_n: int, slices: int = 1) -> t
     return (routing.max_tiles * slices * triton.cdiv(columns, block_n),)
 
 
-def _short_rows(config: MoeConfig, rows: int) -> dict:
+def _tile_heights(config: MoeConfig, rows: int, pairs: bool = False) -> dict:
     """SHORT_M and TINY_M of a kernel whose programs take `rows` sorted rows: the half- and
     quarter-height bodies' rows (MoeConfig.short_tiles), 0 where off or below the 16 rows a tile
-    needs."""
+    needs; with `pairs` (gemm2) also PAIR_M, the eighth-height second dot (MoeConfig.pair_tiles)."""
     short = rows // 2 if config.short_tiles >= 1 and rows >= 32 else 0
     tiny = rows // 4 if config.short_tiles >= 2 and rows >= 64 else 0
-    return {"SHORT_M": short, "TINY_M": tiny}
+    heights = {"SHORT_M": short, "TINY_M": tiny}
+    if pairs:
+        heights["PAIR_M"] = rows // 8 if config.pair_tiles and config.swap_ab and tiny and rows >= 128 else 0
+    return heights
 
 
 def _checked_frag_scales(scales: torch.Tensor | None, block_rows: int) -> torch.Tensor:
@@ -1039,7 +1138,7 @@ def moe_gemm1_swiglu(
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=config.operands, SCALES=scales_mode,
         SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
-        **_short_rows(config, config.gemm1_rows),
+        **_tile_heights(config, config.gemm1_rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.maxnreg),
     )  # fmt: skip
@@ -1071,7 +1170,7 @@ def moe_gemm2(
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k, SCALES=scales_mode,
         ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,
-        **_short_rows(config, config.block_m),
+        **_tile_heights(config, config.block_m, pairs=True),
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,
         **_register_cap(config.gemm2_maxnreg),
     )  # fmt: skip
