@@ -34,7 +34,9 @@ Regimes (pick_config, chosen on the host from T, which is static inside a CUDA g
   decode:  few rows per expert, bandwidth-bound: BLOCK_M 16 (tl.dot's minimum), narrow column
            blocks so the ~53 MB of a token's 4 experts (real shapes) spread over hundreds of programs;
   prefill: many rows per expert, tensor-core bound: BLOCK_M grows with rows per expert to 256
-           (gemm1 in slices of at most 128), the weight tile as wgmma's register operand.
+           (gemm1 in slices of at most 128), the weight tile as wgmma's register operand; a
+           tile (slice) that holds fewer rows runs a copy of the body at half or a quarter of
+           the height, gemm2's just over half full as two dots (MoeConfig.short_tiles, pair_tiles).
 Dimension legend: T tokens, C hidden, I intermediate, E experts, K experts per token, S = T*K.
 """
 
