@@ -120,7 +120,7 @@ def _visible_pairs(tokens: int, window: int) -> int:
     return w * (w + 1) // 2 + (tokens - w) * window
 
 
-def _prefill_case(tokens: int, window: int, device: str, timer) -> dict:
+def _prefill_case(tokens: int, window: int, device: str, timer, tiles=None) -> dict:
     from gptoss_cli.kernels.attention import prefill_attention
 
     ring = -(-window // BLOCK_SIZE) + 1 if window else 0
@@ -132,7 +132,7 @@ def _prefill_case(tokens: int, window: int, device: str, timer) -> dict:
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
     ctx = torch.zeros(1, dtype=torch.int32, device=device)
     ms = timer(lambda: prefill_attention(q, k, v, k_cache, v_cache, table, cu, ctx, sinks, SM_SCALE, window, ring,
-                                         tokens, 0))
+                                         tokens, 0, tiles=tiles))
     nbytes = (2 * q.numel() + 2 * k.numel()) * 2
     flops = 4 * HEAD_DIM * NUM_HEADS * _visible_pairs(tokens, window)
     return _row("prefill", "sliding" if window else "full", 1, tokens, ms, nbytes, flops)
@@ -169,6 +169,27 @@ def sweep(device: str = "cuda") -> list[tuple[str, dict]]:
     return out
 
 
+def prefill_sweep(device: str = "cuda") -> list[tuple[str, dict]]:
+    """A 4k-token prompt (CPU: 48 tokens) over the prefill kernel's launch shape, full and sliding
+    layers: rows of (token, query head) per program, keys per step, warps and pipeline depth
+    (kernels.attention.prefill_tiles picks 128 / 64 / 4 / 3 at these sizes)."""
+    from gptoss_cli.kernels.attention import PrefillTiles
+
+    timer, out = _timer(device), []
+    grid = [PrefillTiles(bm, bn, w, st) for bm in (128, 256) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+    if device == "cpu":
+        grid = [PrefillTiles(64, 32, 4, 1), PrefillTiles(128, 32, 4, 1)]
+    tokens = 48 if device == "cpu" else 4096
+    for window in (0, WINDOW):
+        for t in grid:
+            label = f"block_m={t.block_m} block_n={t.block_n} warps={t.num_warps} stages={t.num_stages}"
+            try:
+                out.append((label, _prefill_case(tokens, window, device, timer, tiles=t)))
+            except Exception as e:  # a shape the compiler rejects (e.g. out of shared memory): report it
+                print(f"{label}: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'op':8}{'layer':9}{'B':>4}{'ctx/T':>8}{'ms':>10}{'GB':>9}{'TB/s':>7}{'%copy':>7}"
             f"{'TFLOP':>8}{'TF/s':>8}{'%bf16':>7}")
@@ -185,6 +206,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also sweep batch-1 decode tiles and splits")
+    parser.add_argument("--prefill-sweep", action="store_true", help="also sweep the prefill kernel's tiles at 4k")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -197,6 +219,9 @@ def main() -> None:
     if args.sweep:
         for label, r in sweep(device):
             print(f"{label:<34} ctx {r['tokens']:>6}  {r['ms'] * 1e3:8.1f} us  {r['pct_copy']:5.1f} % of copy bw")
+    if args.prefill_sweep:
+        for label, r in prefill_sweep(device):
+            print(f"{label:<46} {r['layer']:<8} T {r['tokens']:>5}  {r['ms'] * 1e3:8.1f} us  {r['pct_bf16']:5.1f} % of bf16")
 
 
 if __name__ == "__main__":
