@@ -946,10 +946,10 @@ def _gemm2_kernel(
                             gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N, BLOCK_K,
                             DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K, PAIR_M)
                 return
-            if end - start <= SHORT_M + 2 * PAIR_M:
+            if end - start <= SHORT_M + TINY_M:  # PAIR_M is half of TINY_M (_tile_heights)
                 _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
                             gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, SHORT_M, BLOCK_N, BLOCK_K,
-                            DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K, 2 * PAIR_M)
+                            DOT_DTYPE, DOT_PRECISION, A_FORMAT, FAST_MATH, OPERANDS, SCALES, ROW_GROUP, EVEN_K, TINY_M)
                 return
     _gemm2_rows(a_base, stride_at, w_base, stride_wn, s_base, stride_sg, bias_base, y_base, stride_yt,
                 gamma_ptr, sorted_slots_ptr, start, end, nb, k_len, hidden, BLOCK_M, BLOCK_N, BLOCK_K,
