@@ -170,7 +170,11 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
         byte_loads = "LDG.E.U8" in sass(kernel)  # the scales were the kernels' only byte-wide load
         if num_stages > 1 and byte_loads != (mode == "bytes"):
             raise RuntimeError(f"{name}: scales {mode!r} but byte-wide global loads: {byte_loads}")
-        for loop in _loop_bodies(sass(kernel), 1 + short + (2 if pairs and name == "gemm2" else 0)):
+        bodies = 1 + short + (2 if pairs and name == "gemm2" else 0)  # one K loop per tile height
+        loops = [loop for loop in _loop_bodies(sass(kernel), bodies + 2) if "HGMMA" in loop]
+        if len(loops) != bodies:
+            raise RuntimeError(f"{name}: {len(loops)} wgmma K loops, expected {bodies} (short={short}, pairs={pairs})")
+        for loop in loops:
             if num_stages > 1 and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop:  # _mx_matmul's note on tl.assume
                 raise RuntimeError(f"{name}: scales {mode!r}, but the K loop waits for each wgmma (serialised)")
             if mode in ("join", "frag") and "LDSM.16.M88.4" in loop:
@@ -186,7 +190,8 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
     MoeConfig.short_tiles = `short` and pair_tiles = `pairs`."""
     from gptoss_cli.kernels.moe_matmul import MoeConfig, _tile_heights
 
-    return _tile_heights(MoeConfig("prefill", 16, 16, 16, 32, short_tiles=short, pair_tiles=pairs), rows, pairs)
+    config = MoeConfig("prefill", 16, 16, 16, 32, swap_ab=True, short_tiles=short, pair_tiles=pairs)
+    return _tile_heights(config, rows, pairs)
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
