@@ -253,14 +253,8 @@ def test_fragment_scales_match_twin(device, tokens, experts, hidden, inter, top_
     # Both gemms reading fragment-order scales with their weight rows permuted inside 16-row blocks;
     # hidden 96 leaves gemm1's last K step half padding, inter 96 gemm1 a half-empty second column
     # block and gemm2's last K step half padding.
-    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), frag_scales=True)
-    x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, PREFILL_FRAG.block_m)
-    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, PREFILL_FRAG)
-    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
-    assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1 frag")
-    y = moe_gemm2(want, r, w, PREFILL_FRAG)
-    assert_close(y, moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2 frag")
+    w, x, _, want, _ = _gemms_match_twins(device, PREFILL_FRAG, r, hidden, inter, dtype)
     with pytest.raises(ValueError, match="frag_scales"):
         moe_gemm1_swiglu(x, r, dataclasses.replace(w, w1_scales_frag=None), 3.0, 1.702, PREFILL_FRAG)
     with pytest.raises(ValueError, match="frag_scales"):
@@ -276,15 +270,22 @@ def _routing_by_choice(choices: list[list[int]], experts: int, block_m: int, dev
     return route(logits.to(device), len(choices), block_m)
 
 
-def _check_tiles(device, config, r, hidden, inter, dtype):
-    """gemm1 and gemm2 of `config` against their twins, and against the same tiles at full height."""
+def _gemms_match_twins(device, config, r, hidden, inter, dtype):
+    """gemm1 and gemm2 of `config` (on weights with fragment-order scales) against their twins, on
+    routing r; returns (weights, x, act, the twin's act that gemm2 took, y)."""
     w = prepare_moe_weights(*_raw_weights(r.num_experts, hidden, inter, device), frag_scales=True)
     x = torch.randn(r.num_tokens, hidden, device=device).to(dtype)
-    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, config)
+    act = moe_gemm1_swiglu(x, r, w, 3.0, 1.702, config)  # a low limit so both clamps bite
     want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
     assert_close(act.float(), want.float(), _tol(dtype, device), "gemm1")
     y = moe_gemm2(want, r, w, config)
     assert_close(y.float(), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemm2")
+    return w, x, act, want, y
+
+
+def _check_tiles(device, config, r, hidden, inter, dtype):
+    """_gemms_match_twins, and the same results as the tiles at full height."""
+    w, x, act, want, y = _gemms_match_twins(device, config, r, hidden, inter, dtype)
     full = dataclasses.replace(config, short_tiles=0, pair_tiles=False)
     assert_close(act.float(), moe_gemm1_swiglu(x, r, w, 3.0, 1.702, full).float(), 1e-6, "gemm1 vs full tiles")
     assert_close(y.float(), moe_gemm2(want, r, w, full).float(), 1e-6, "gemm2 vs full tiles")

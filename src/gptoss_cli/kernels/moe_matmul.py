@@ -780,15 +780,14 @@ def _mx_matmul_pair(
                                                             BLOCK_N, BLOCK_K, SCALES, ROW_GROUP)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M2), dtype=tl.float32)
-    dt: tl.constexpr = tl.bfloat16 if A_FORMAT == "asm" or A_FORMAT == "asm-folded" else DOT_DTYPE
     for k0 in range(0, K, BLOCK_K):
         left = BLOCK_K if EVEN_K else K - k0
         a = _activation_step(a_ptrs, a_row_ok, left, BLOCK_K)
         a2 = _activation_step(a2_ptrs, a2_row_ok, left, BLOCK_K)
         blk, scl = _weight_step(blk_ptrs, scl_ptrs, scl_ok, wrow_ok, left, BLOCK_N, BLOCK_K, SCALES)
         w = _dequant_tile(blk, scl, BLOCK_N, BLOCK_K, DOT_DTYPE, A_FORMAT)
-        acc = tl.dot(w, tl.trans(a.to(dt)), acc, input_precision=DOT_PRECISION)
-        acc2 = tl.dot(w, tl.trans(a2.to(dt)), acc2, input_precision=DOT_PRECISION)
+        acc = tl.dot(w, tl.trans(a.to(w.dtype)), acc, input_precision=DOT_PRECISION)
+        acc2 = tl.dot(w, tl.trans(a2.to(w.dtype)), acc2, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         a2_ptrs += BLOCK_K
         blk_ptrs += (BLOCK_K // 32) * BLOCK_BYTES * ROW_GROUP
