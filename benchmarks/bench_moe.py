@@ -192,6 +192,13 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "f16-n2-16": {"block_n2": 16},  # session 4-5's gemm2 default
     "f16-n1-8": {"block_n1": 8},
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
+    # T=1: the weight words through TMA boxes in a tl.range pipeline (MoeConfig.gemv_tma, session 18,
+    # written without a GPU): num_stages - 1 K steps in flight per program; 4 stages, and K steps of
+    # 256 (11-12 steps per program instead of 6, smaller boxes) with 3 and 4 stages.
+    "gemv-tma": {"gemv_tma": True},
+    "gemv-tma-s4": {"gemv_tma": True, "num_stages": 4},
+    "gemv-tma-k256": {"gemv_tma": True, "block_k": 256},
+    "gemv-tma-k256-s4": {"gemv_tma": True, "block_k": 256, "num_stages": 4},
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
     "k128": {"block_k": 128} | BOTH_GEMMS,
@@ -226,7 +233,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
+    1: ["default", "gemv-tma", "gemv-tma-s4", "gemv-tma-k256", "gemv-tma-k256-s4", "f16-n1-8", "f16-n32"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],

@@ -425,6 +425,34 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
+@pytest.mark.parametrize("row_group,block_n1,block_n2", [(16, 16, 32), (32, 8, 8), (1, 16, 64), (32, 16, 64)],
+                         ids=["two-groups-per-box", "part-of-a-group", "checkpoint-order", "rows-past-the-end"])
+def test_gemv_tma_matches_twins(device, row_group, block_n1, block_n2):
+    # MoeConfig.gemv_tma: each K step's words come as one box of the [E * N/R, K/32, R * 4] view.
+    # Boxes of several row groups, of part of one (the program's first row at a word offset inside
+    # its group: 8-row programs in 32-row groups), of single rows (R = 1), and ones reaching past the
+    # last row (gemv2's 96 rows in 64-row programs: the second box's second group is the next
+    # expert's or past the tensor, rows the kernel must not store), with a half-masked last K step
+    # (K = 96, K step 64).
+    experts, hidden, inter, top_k, tokens = 4, 96, 96, 4, 2
+    config = dataclasses.replace(GEMV, block_n1=block_n1, block_n2=block_n2, gemv_tma=True)
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), row_group=row_group)
+    assert w.row_group == row_group
+    x = torch.randn(tokens, hidden, device=device)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    want_act = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)  # sorted rows; the gemv kernels use slot order
+    in_slot_order = want_act[r.slot_rows.long()]
+    assert_close(moe_gemv1_swiglu(x, r, w, 3.0, 1.702, config), in_slot_order, _tol(torch.float32, device),
+                 "gemv1+swiglu (TMA)")
+    assert_close(moe_gemv2(in_slot_order, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(torch.float32, device),
+                 "gemv2 (TMA)")
+
+
+def test_gemv_tma_needs_the_gemv():
+    with pytest.raises(ValueError, match="gemv_tma"):
+        dataclasses.replace(DECODE, gemv_tma=True)
+
+
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
                                                         (4, 128, 96, 4), (4, 32, 2500, 4)])
 @pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
@@ -813,13 +841,14 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
 
 
 @requires_gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
 @pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
-def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, tma):
     # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
-    # must redo its rows in fp32 and still match the twin.
+    # must redo its rows in fp32 and still match the twin. tma: the weights through MoeConfig.gemv_tma.
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
-    config = pick_config(1, experts, top_k)
+    config = dataclasses.replace(pick_config(1, experts, top_k), gemv_tma=tma)
     assert config.gemv and config.gemv_f16
     x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
     r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)

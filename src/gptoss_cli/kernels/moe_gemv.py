@@ -18,6 +18,13 @@ for dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations ar
 so are their products; the 16 products per half-register are summed in fp16 (relative error
 ~2**-11 per add, below the bf16 rounding of the output), then in fp32 with the block scale. A
 block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows in fp32.
+
+TMA (MoeConfig.gemv_tma): the weight words arrive through a host TensorDescriptor over the
+row-grouped bytes viewed as int32 [E * N/R, K/32, R * 4] (R = MoeWeights.row_group), one box of
+[BLOCK_R/R or 1, BLOCK_K/32, min(BLOCK_R, R) * 4] words per K step, in a tl.range pipeline: the
+copy engine keeps num_stages - 1 steps of weights in flight per program in shared memory, where
+the pointer loads keep one step in registers. The program computes on the box's own
+[groups, block columns, rows] order, so no layout conversion of the weights is needed.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_matmul import (
     BLOCK_BYTES,
+    VALUES_PER_BLOCK,
     MoeConfig,
     MoeWeights,
     _check_activation,
@@ -36,6 +45,7 @@ from .moe_matmul import (
     _fp4_pairs_bf16,
     _out_buffer,
     _row_offsets,
+    _scale_fp32,
     _swiglu,
 )
 from .moe_routing import MoeRouting, topk_softmax_row
@@ -194,21 +204,85 @@ def _mx_gemv(
 
 
 @triton.jit
+def _box_scales(s_base, row0, n_rows, g, stride_sg, BOX_G: tl.constexpr, BOX_R: tl.constexpr):
+    """Scale pointers [BOX_G, G, BOX_R] of the program's rows (row0 + i * BOX_R + r) and their mask."""
+    rows = row0 + tl.arange(0, BOX_G)[:, None, None] * BOX_R + tl.arange(0, BOX_R)[None, None, :]
+    return s_base + g[None, :, None] * stride_sg + rows, rows < n_rows
+
+
+@triton.jit
+def _nibble_dots(words, x_row, g, left):
+    """fp32 [BOX_G, G, BOX_R] unscaled dot products (times 2**-14, _fp4_bits' offset) of words
+    [BOX_G, G, BOX_R, 4] with x; word j of block g holds values 32g + 8j + n in nibble n."""
+    g_ok = g < left // 32
+    j = tl.arange(0, 4)
+    dots = tl.zeros((words.shape[0], words.shape[1], words.shape[2]), dtype=tl.float32)
+    for n in tl.static_range(8):
+        b = ((words >> (4 * n)) & 0xF).to(tl.uint16)
+        w = (((b << 9) & 0x0E00) | ((b << 12) & 0x8000)).to(tl.float16, bitcast=True).to(tl.float32)
+        x = tl.load(x_row + g[:, None] * 32 + j[None, :] * 8 + n, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        dots += tl.sum(w * x[None, :, None, :], axis=3)
+    return dots
+
+
+@triton.jit
+def _mx_gemv_tma(x_row, w_desc, grp, woff, s_base, row0, n_rows, K, stride_sg, BLOCK_K: tl.constexpr,
+                 BOX_G: tl.constexpr, BOX_R: tl.constexpr, F16: tl.constexpr, STAGES: tl.constexpr):
+    """[BOX_G * BOX_R] fp32 dot products of rows row0.. (module docstring, TMA) with x[:K]; F16: the
+    packed-fp16 asm (NaN/inf where a block overflowed, as _mx_gemv_f16), else fp32 (the interpreter)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    scl_ptrs, row_ok = _box_scales(s_base, row0, n_rows, g, stride_sg, BOX_G, BOX_R)
+    acc = tl.zeros((BOX_G, G, BOX_R), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        words = tl.reshape(w_desc.load([grp, k0 // 32, woff]), (BOX_G, G, BOX_R, 4))
+        scl = tl.load(scl_ptrs, mask=row_ok & (g < (K - k0) // 32)[None, :, None], other=0)
+        if F16:
+            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _x_pairs_f16(x_row + k0, g, K - k0)
+            w0, w1, w2, w3 = _quarters(tl.reshape(words, (BOX_G * G * BOX_R, 4)))
+            dot = tl.inline_asm_elementwise(
+                _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
+                [tl.reshape(w0, (BOX_G, G, BOX_R)), tl.reshape(w1, (BOX_G, G, BOX_R)),
+                 tl.reshape(w2, (BOX_G, G, BOX_R)), tl.reshape(w3, (BOX_G, G, BOX_R)),
+                 a0[None, :, None], b0[None, :, None], c0[None, :, None], d0[None, :, None],
+                 a1[None, :, None], b1[None, :, None], c1[None, :, None], d1[None, :, None],
+                 a2[None, :, None], b2[None, :, None], c2[None, :, None], d2[None, :, None],
+                 a3[None, :, None], b3[None, :, None], c3[None, :, None], d3[None, :, None]],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+            acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        else:
+            acc += _nibble_dots(words, x_row + k0, g, K - k0) * _scale_fp32(scl)
+        scl_ptrs += G * stride_sg
+    return tl.reshape(tl.sum(acc, axis=1), (BOX_G * BOX_R,))
+
+
+@triton.jit
 def _row_dots(
-    x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+    x_row, w_base, s_base, row0, n_rows, K, stride_wn, stride_sg, w_desc, expert,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
+    TMA: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
-    if F16:
+    """The program's BLOCK_R dot products (rows row0.. of the expert's n_rows): packed fp16 when F16,
+    redone in fp32 if a block overflowed; with TMA the weights come through w_desc."""
+    wrows = row0 + tl.arange(0, BLOCK_R)
+    wrow_ok = wrows < n_rows
+    if TMA:
+        BOX_R: tl.constexpr = BLOCK_R if BLOCK_R < ROW_GROUP else ROW_GROUP
+        grp = (expert * (n_rows // ROW_GROUP) + row0 // ROW_GROUP).to(tl.int32)
+        acc = _mx_gemv_tma(x_row, w_desc, grp, (row0 % ROW_GROUP) * 4, s_base, row0, n_rows, K, stride_sg, BLOCK_K,
+                           BLOCK_R // BOX_R, BOX_R, F16, STAGES)
+    elif F16:
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
-                           ROW_GROUP)
-        if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
-            # Short K steps: this rare path must not raise the kernel's register count.
-            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False,
                            ROW_GROUP)
     else:
         acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
                        ROW_GROUP)
+    if F16:
+        if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
+            # Short K steps: this rare path must not raise the kernel's register count.
+            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False,
+                           ROW_GROUP)
     return acc
 
 
@@ -244,10 +318,10 @@ def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_ex
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
-    logits_ptr, stride_lt, topk_weights_ptr, num_experts,
+    logits_ptr, stride_lt, topk_weights_ptr, num_experts, w_desc,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1,
-    BLOCK_E: tl.constexpr = 1,
+    BLOCK_E: tl.constexpr = 1, TMA: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
@@ -257,10 +331,12 @@ def _gemv1_swiglu_kernel(
         slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
-    wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    wrow_ok = wrows < 2 * inter
+    row0 = tl.program_id(1) * 2 * BLOCK_N
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
+                    row0, 2 * inter, hidden, stride_wn, stride_sg, w_desc, expert, 2 * BLOCK_N, BLOCK_K, ASM, F16,
+                    ROW_GROUP, TMA, STAGES)
+    wrows = row0 + tl.arange(0, 2 * BLOCK_N)
+    wrow_ok = wrows < 2 * inter
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,17 +348,18 @@ def _gemv1_swiglu_kernel(
 @triton.jit
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
+    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter, w_desc,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
-    ROW_GROUP: tl.constexpr,
+    ROW_GROUP: tl.constexpr, TMA: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < hidden
+    row0 = tl.program_id(1) * BLOCK_N
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
-    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
+    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, row0, hidden, inter,
+                    stride_wn, stride_sg, w_desc, expert, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, TMA, STAGES)
+    rows = row0 + tl.arange(0, BLOCK_N)
+    ok = rows < hidden
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -303,7 +380,20 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights) -> dict:
     """The launch arguments both gemv kernels take from the config, their input `a` and the weights."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
-            "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
+            "ROW_GROUP": w.row_group, "TMA": config.gemv_tma, "STAGES": config.num_stages,
+            "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _weight_descriptor(config: MoeConfig, blocks: torch.Tensor, rows: int, k: int, block_r: int,
+                       row_group: int) -> TensorDescriptor | None:
+    """The TMA view of one matrix's expert bytes (module docstring) for programs of block_r rows;
+    None without MoeConfig.gemv_tma."""
+    if not config.gemv_tma:
+        return None
+    groups = blocks.shape[0] * rows // row_group
+    words = blocks.view(torch.int32).view(groups, k // VALUES_PER_BLOCK, row_group * 4)
+    box = [max(block_r // row_group, 1), config.block_k // VALUES_PER_BLOCK, min(block_r, row_group) * 4]
+    return TensorDescriptor.from_tensor(words, box)
 
 
 def moe_gemv1_swiglu(
@@ -330,6 +420,7 @@ def moe_gemv1_swiglu(
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
+        _weight_descriptor(config, w.w1_blocks, 2 * w.intermediate, w.hidden, 2 * config.block_n1, w.row_group),
         TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x, w), **extra,
     )  # fmt: skip
     return act
@@ -347,6 +438,7 @@ def moe_gemv2(
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
+        _weight_descriptor(config, w.w2_blocks, w.hidden, w.intermediate, config.block_n2, w.row_group),
         BLOCK_N=config.block_n2, **_launch_options(config, act, w),
     )  # fmt: skip
     return y

@@ -111,6 +111,11 @@ class MoeConfig:
     # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
     # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
+    # gemv: the weight words through TMA (moe_gemv.py docstring) in a num_stages-deep pipeline
+    # instead of 16-byte loads into registers. The batch-1 gemv waits on each K step's weight
+    # words (ncu, sessions 8-14); TMA keeps num_stages - 1 steps in flight without registers.
+    # Written in session 18 without a GPU: offline sm_90 only, not measured, so off.
+    gemv_tma: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.
@@ -189,6 +194,8 @@ class MoeConfig:
             raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
         if self.gemm2_scale_unpack == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
+        if self.gemv_tma and not self.gemv:
+            raise ValueError("MoeConfig.gemv_tma is an option of the gemv kernels (gemv=True)")
         if self.round_slots and self.split_k > 1:
             raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
         if self.short_tiles not in (0, 1, 2):

@@ -1,0 +1,29 @@
+"""scripts/profile_decode.py's MoeConfig overrides (also used by ab_options.py): which steps they reach."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from gptoss_cli.kernels.moe_matmul import pick_config
+
+
+def _module():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gemv_fields_reach_only_the_gemv_and_tile_fields_only_the_tiles():
+    apply = _module().moe_changes_apply
+    gemv, tiles = pick_config(1, 32, 4), pick_config(64, 32, 4)
+    assert gemv.gemv and not tiles.gemv
+    assert apply(gemv, {"gemv_tma": True}) and not apply(tiles, {"gemv_tma": True})
+    assert apply(tiles, {"block_k": 128}) and not apply(gemv, {"block_k": 128})
+    # Every step the override reaches must build a valid config (gemv_tma needs gemv=True).
+    for cfg in (gemv, tiles):
+        if apply(cfg, {"gemv_tma": True}):
+            dataclasses.replace(cfg, gemv_tma=True)
