@@ -1,8 +1,21 @@
-"""Comparison helpers shared by the tests: relative errors that print where they fail."""
+"""Helpers shared by the tests: relative errors that print where they fail; scripts loaded as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import torch
+
+
+def load_script(relative: str) -> ModuleType:
+    """A repository script (e.g. "scripts/ncu_stalls.py") as a module, without putting its folder on sys.path."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from helpers import load_script
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_long_sb (Not Issued)",'
           '"stall_barrier"')
@@ -21,16 +20,8 @@ CSV = "\n".join([
 ])  # fmt: skip
 
 
-def _module():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ncu_stalls.py"
-    spec = importlib.util.spec_from_file_location("ncu_stalls", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_each_kernel_gets_its_own_rows_and_shares():
-    ncu = _module()
+    ncu = load_script("scripts/ncu_stalls.py")
     sections = list(ncu._sections(CSV))
     assert [(name, len(rows)) for name, rows in sections] == [("_gemm1_swiglu_kernel", 3), ("_gemm2_kernel", 2)]
     lines = ncu.summarise(sections[0][1], top=2)

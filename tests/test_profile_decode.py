@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
+
+from helpers import load_script
 
 from gptoss_cli.kernels.moe_matmul import pick_config
 
 
-def _module():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
-    spec = importlib.util.spec_from_file_location("profile_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gemv_fields_reach_only_the_gemv_and_tile_fields_only_the_tiles():
-    apply = _module().moe_changes_apply
+    apply = load_script("scripts/profile_decode.py").moe_changes_apply
     gemv, tiles = pick_config(1, 32, 4), pick_config(64, 32, 4)
     assert gemv.gemv and not tiles.gemv
     assert apply(gemv, {"gemv_tma": True}) and not apply(tiles, {"gemv_tma": True})

@@ -22,7 +22,7 @@ from gptoss_cli.kernels.moe import (
     route_ref,
     router_logits,
 )
-from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
+from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2, x_pairs_ref
 from gptoss_cli.kernels.moe_matmul import (
     FOLD_MAX_SCALE,
     checkpoint_blocks,
@@ -448,9 +448,38 @@ def test_gemv_tma_matches_twins(device, row_group, block_n1, block_n2):
                  "gemv2 (TMA)")
 
 
-def test_gemv_tma_needs_the_gemv():
-    with pytest.raises(ValueError, match="gemv_tma"):
-        dataclasses.replace(DECODE, gemv_tma=True)
+@pytest.mark.parametrize("block_n1,dtype", [(16, torch.float32), (8, torch.bfloat16), (32, torch.float32)])
+def test_gemv1_stores_the_pairs_gemv2_reads(device, block_n1, dtype):
+    # MoeConfig.gemv_pairs: gemv1 stores act also as fp16 pairs in the asm's word order (the twin
+    # x_pairs_ref); I = 96: the last 32-column block is split across programs of 8-32 columns.
+    # (gemv2 reads them only in its packed-fp16 path: a GPU test.)
+    experts, hidden, inter, top_k, tokens = 4, 64, 96, 4, 2
+    config = dataclasses.replace(GEMV, block_n1=block_n1, gemv_pairs=True)
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    pairs = torch.full((tokens * top_k, inter // 2), -1, dtype=torch.int32, device=device)
+    act = moe_gemv1_swiglu(x, r, w, 3.0, 1.702, config, pairs=pairs)
+    assert torch.equal(pairs, x_pairs_ref(act))
+    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
+    assert_close(act.float(), want[r.slot_rows.long()].float(), _tol(dtype, device), "gemv1 with pairs")
+    assert_close(moe_gemv2(act, r, w, config, pairs=pairs), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemv2")
+    with pytest.raises(ValueError, match="gemv_pairs"):
+        moe_gemv2(act, r, w, config)
+
+
+def test_x_pairs_ref_word_order():
+    a = torch.arange(64, dtype=torch.float32)[None]  # exact in fp16
+    words = x_pairs_ref(a).view(torch.int32)[0]
+    lo, hi = (words & 0xFFFF).to(torch.int16).view(torch.float16), (words >> 16).to(torch.int16).view(torch.float16)
+    g, i, j = 1, 2, 3  # word 16 g + 4 i + j holds columns 32 g + 8 j + i and + 4
+    assert (lo[16 * g + 4 * i + j].item(), hi[16 * g + 4 * i + j].item()) == (32 * g + 8 * j + i, 32 * g + 8 * j + i + 4)
+
+
+@pytest.mark.parametrize("field", ["gemv_tma", "gemv_pairs"])
+def test_gemv_options_need_the_gemv(field):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(DECODE, **{field: True})
 
 
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
@@ -607,7 +636,9 @@ def test_forward_with_workspace_is_identical(device):
     raw = _raw_weights(experts, hidden, inter, device)
     w = prepare_moe_weights(*raw)
     ws = MoeWorkspace.allocate(12, w, top_k, torch.float32, device)
-    for tokens, config in [(12, PREFILL), (5, DECODE)]:
+    # gemv with pairs: 1 token in the workspace's pairs buffer, 6 tokens past it (a buffer of their own).
+    pairs = dataclasses.replace(GEMV, gemv_pairs=True, gemv_tma=True)
+    for tokens, config in [(12, PREFILL), (5, DECODE), (1, pairs), (6, pairs)]:
         x, rw, rb = _inputs(tokens, experts, hidden, top_k, torch.float32, device, seed=tokens)
         plain = moe_forward(x, rw, rb, w, top_k, config=config)
         assert torch.equal(moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config), plain)
@@ -841,22 +872,29 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
 
 
 @requires_gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+@pytest.mark.parametrize("variant", [{}, {"gemv_tma": True}, {"gemv_pairs": True}, {"gemv_tma": True, "gemv_pairs": True}],
+                         ids=["loads", "tma", "pairs", "tma-pairs"])
 @pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
-def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, tma):
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, variant):
     # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
-    # must redo its rows in fp32 and still match the twin. tma: the weights through MoeConfig.gemv_tma.
+    # must redo its rows in fp32 and still match the twin. Variants: the weights through TMA
+    # (MoeConfig.gemv_tma), gemv2's activations as pairs gemv1 packed (gemv_pairs; x_pairs_ref here,
+    # so gemv2 sees the reference act).
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
-    config = dataclasses.replace(pick_config(1, experts, top_k), gemv_tma=tma)
+    config = dataclasses.replace(pick_config(1, experts, top_k), **variant)
     assert config.gemv and config.gemv_f16
     x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
     r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)
-    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config)
+    pairs = torch.empty(top_k, inter // 2, dtype=torch.int32, device="cuda") if config.gemv_pairs else None
+    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config, pairs=pairs)
     want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)  # sorted rows; gemv: slot order
     assert torch.isfinite(act.float()).all()
     assert rel_err(act, want[r.slot_rows.long()]) < 1e-2
-    y = moe_gemv2(want[r.slot_rows.long()], r, w, config)
+    if pairs is not None:
+        assert torch.equal(pairs, x_pairs_ref(act))
+    slot_act = want[r.slot_rows.long()]
+    y = moe_gemv2(slot_act, r, w, config, pairs=None if pairs is None else x_pairs_ref(slot_act))
     assert rel_err(y, moe_gemm2_ref(want, r, w)) < 1e-2
 
 
