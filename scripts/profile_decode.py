@@ -148,9 +148,9 @@ def moe_fields(pairs: list[str], flag: str = "--moe") -> dict:
 def moe_changes_apply(config, changes: dict) -> bool:
     """Whether MoeConfig `changes` are meant for `config`: the matrix-vector configs (T = 1) take only
     changes that name gemv fields, since tile specs for the tiled decode kernels would reshape the
-    gemv's blocks; the tiled configs take any but gemv fields alone (gemv_tma needs gemv=True)."""
-    gemv_fields = [name.startswith("gemv") for name in changes]
-    return any(gemv_fields) if config.gemv else not (gemv_fields and all(gemv_fields))
+    gemv's blocks; the tiled configs only changes that name none (gemv_tma needs gemv=True)."""
+    names_gemv = any(name.startswith("gemv") for name in changes)
+    return names_gemv if config.gemv else not names_gemv
 
 
 def override_moe(pairs: list[str]) -> None:

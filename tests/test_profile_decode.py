@@ -16,6 +16,7 @@ def test_gemv_fields_reach_only_the_gemv_and_tile_fields_only_the_tiles():
     assert apply(gemv, {"gemv_tma": True}) and not apply(tiles, {"gemv_tma": True})
     assert apply(tiles, {"block_k": 128}) and not apply(gemv, {"block_k": 128})
     # Every step the override reaches must build a valid config (gemv_tma needs gemv=True).
-    for cfg in (gemv, tiles):
-        if apply(cfg, {"gemv_tma": True}):
-            dataclasses.replace(cfg, gemv_tma=True)
+    for changes in ({"gemv_tma": True}, {"gemv_pairs": True, "block_k": 128}):
+        for cfg in (gemv, tiles):
+            if apply(cfg, changes):
+                dataclasses.replace(cfg, **changes)

@@ -134,9 +134,9 @@ def _x_pairs_f16(x_ptr, g, left):
 
 @triton.jit
 def _x_pair_words(pairs_row, g, left):
-    """_x_pairs_f16's 16 pairs [G] from the words gemv1 packed (MoeConfig.gemv_pairs). Loads this
-    small are loaded again in the layout each use needs (offline sm_90: no shared-memory
-    conversion, no barrier), where pairs packed here go through shared memory."""
+    """_x_pairs_f16's 16 pairs [G] from the words gemv1 packed (MoeConfig.gemv_pairs). Triton
+    reloads a load this small in the layout each use needs (offline sm_90: no shared-memory
+    conversion, no barrier); pairs packed in the kernel reach that layout through shared memory."""
     offs = g[:, None] * 16 + tl.arange(0, 4)[None, :]  # word 16 g + 4 i + j, [G, j]
     mask = offs < left // 2  # whole blocks: left is a multiple of 32
     a0, b0, c0, d0 = _quarters(tl.load(pairs_row + offs, mask=mask, other=0))  # i = 0, j = 0..3

@@ -117,9 +117,9 @@ class MoeConfig:
     # Written in session 18 without a GPU: offline sm_90 only, not measured, so off.
     gemv_tma: bool = False
     # gemv: gemv1 also stores act as fp16 pairs in the asm's word order, which gemv2 (with
-    # gemv_f16) loads in its weight words' layout: Triton packed them from act in their own layout
-    # and moved them through shared memory, 2 barriers per K step (offline sm_90: gemv2's loop
-    # 161 -> 156 instructions, no barrier). Session 18, not measured, so off.
+    # gemv_f16) loads straight into the layout the asm needs; packed from act inside gemv2 they
+    # reach it through shared memory, 2 barriers per K step (offline sm_90: gemv2's loop
+    # 161 -> 158 instructions, no barrier). Session 18, not measured, so off.
     gemv_pairs: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
