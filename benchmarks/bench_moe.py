@@ -199,6 +199,10 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "gemv-tma-s4": {"gemv_tma": True, "num_stages": 4},
     "gemv-tma-k256": {"gemv_tma": True, "block_k": 256},
     "gemv-tma-k256-s4": {"gemv_tma": True, "block_k": 256, "num_stages": 4},
+    # ... and programs of half / twice the rows (gemv1 16 rows: 55 registers, 10 KB of shared memory;
+    # gemv2 16 rows: 54 and 10 KB, offline sm_90)
+    "gemv-tma-n1-8": {"gemv_tma": True, "block_n1": 8},
+    "gemv-tma-n2-16": {"gemv_tma": True, "block_n2": 16},
     # T=1: gemv1 also stores act as fp16 pairs that gemv2 loads in its weights' layout
     # (MoeConfig.gemv_pairs, session 18, written without a GPU): no barrier in gemv2's K loop.
     "gemv-pairs": {"gemv_pairs": True},
@@ -237,8 +241,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "gemv-tma", "gemv-tma-s4", "gemv-tma-k256", "gemv-tma-k256-s4", "gemv-pairs", "gemv-tma-pairs",
-        "f16-n1-8", "f16-n32"],
+    1: ["default", "gemv-tma", "gemv-tma-s4", "gemv-tma-k256", "gemv-tma-k256-s4", "gemv-tma-n1-8", "gemv-tma-n2-16",
+        "gemv-pairs", "gemv-tma-pairs", "f16-n1-8"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
