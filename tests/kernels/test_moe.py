@@ -565,6 +565,10 @@ def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
     assert torch.equal(act, moe_gemv1_swiglu(x, want_r, w, 7.0, 1.702, config))
     late = moe_forward(x, rw, rb, w, top_k, config=dataclasses.replace(config, gemv_topk=True))
     early = moe_forward(x, rw, rb, w, top_k, config=config)
+    # The same with the weights through TMA (MoeConfig.gemv_tma): the expert comes from the logits
+    # (its fp32 path sums each block in another order, so not bit for bit).
+    tma = dataclasses.replace(config, gemv_topk=True, gemv_tma=True)
+    assert_close(moe_forward(x, rw, rb, w, top_k, config=tma), late, 1e-5, "late top-k with TMA")
     if exact:
         assert torch.equal(got_r.topk_weights, want_r.topk_weights) and torch.equal(late, early)
     else:
