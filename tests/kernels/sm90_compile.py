@@ -231,7 +231,8 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         kernel = compile_sm90(mg._gemv2_kernel, pointers | desc,
                               {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
                                "ROW_GROUP": ROW_GROUP, **options}, num_warps)
-    loop = _shortest_loop_with(sass(kernel), "HFMA2" if f16 else "LDG")
+    text = sass(kernel)
+    loop = _shortest_loop_with(text, "HFMA2" if f16 else "LDG")
     stores = len(re.findall(r"\bSTS", loop))  # not cp.async's LDGSTS
     if pairs and which == "gemv2" and (stores or not tma and "BAR.SYNC" in loop):
         raise RuntimeError(f"gemv2 with pre-packed pairs: {stores} shared stores and "
@@ -240,7 +241,7 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         if "UTMALDG" not in loop:
             raise RuntimeError(f"{which}: no TMA copy in the K loop")
         _no_spills(kernel, f"{which} with TMA")
-    elif "LDG.E.128" not in sass(kernel):
+    elif "LDG.E.128" not in text:
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
 

@@ -47,6 +47,7 @@ from .moe_matmul import (
     _check_activation,
     _dequant_mxfp4_halves,
     _dot_scaled_format,
+    _fp4_bits,
     _fp4_pairs_bf16,
     _out_buffer,
     _row_offsets,
@@ -252,8 +253,8 @@ def _nibble_dots(words, x_row, g, left):
     j = tl.arange(0, 4)
     dots = tl.zeros(words.shape[:-1], dtype=tl.float32)
     for n in tl.static_range(8):
-        b = ((words >> (4 * n)) & 0xF).to(tl.uint16)
-        w = (((b << 9) & 0x0E00) | ((b << 12) & 0x8000)).to(tl.float16, bitcast=True).to(tl.float32)
+        w, _ = _fp4_bits(((words >> (4 * n)) & 0xF).to(tl.uint8))  # the nibble as a byte's low half
+        w = w.to(tl.float16, bitcast=True).to(tl.float32)
         x = tl.load(x_row + g[:, None] * 32 + j[None, :] * 8 + n, mask=g_ok[:, None], other=0.0).to(tl.float32)
         dots += tl.sum(w * x, axis=-1)
     return dots
