@@ -192,21 +192,6 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "f16-n2-16": {"block_n2": 16},  # session 4-5's gemm2 default
     "f16-n1-8": {"block_n1": 8},
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
-    # T=1: the weight words through TMA boxes in a tl.range pipeline (MoeConfig.gemv_tma, session 18,
-    # written without a GPU): num_stages - 1 K steps in flight per program; 4 stages, and K steps of
-    # 256 (11-12 steps per program instead of 6, smaller boxes) with 3 and 4 stages.
-    "gemv-tma": {"gemv_tma": True},
-    "gemv-tma-s4": {"gemv_tma": True, "num_stages": 4},
-    "gemv-tma-k256": {"gemv_tma": True, "block_k": 256},
-    "gemv-tma-k256-s4": {"gemv_tma": True, "block_k": 256, "num_stages": 4},
-    # ... and programs of half / twice the rows (gemv1 16 rows: 55 registers, 10 KB of shared memory;
-    # gemv2 16 rows: 54 and 10 KB, offline sm_90)
-    "gemv-tma-n1-8": {"gemv_tma": True, "block_n1": 8},
-    "gemv-tma-n2-16": {"gemv_tma": True, "block_n2": 16},
-    # T=1: gemv1 also stores act as fp16 pairs that gemv2 loads in its weights' layout
-    # (MoeConfig.gemv_pairs, session 18, written without a GPU): no barrier in gemv2's K loop.
-    "gemv-pairs": {"gemv_pairs": True},
-    "gemv-tma-pairs": {"gemv_tma": True, "gemv_pairs": True},
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
     "k128": {"block_k": 128} | BOTH_GEMMS,
@@ -241,8 +226,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "gemv-tma", "gemv-tma-s4", "gemv-tma-k256", "gemv-tma-k256-s4", "gemv-tma-n1-8", "gemv-tma-n2-16",
-        "gemv-pairs", "gemv-tma-pairs", "f16-n1-8"],
+    1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
@@ -289,20 +273,13 @@ def _kernels(st: _Setup, variant):
     y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
         torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
-    if cfg.gemv:  # gemv_pairs: gemv1 also writes act's pairs, which gemv2 reads
-        pairs = torch.zeros(slots, i // 2, dtype=torch.int32, device=st.x.device) if cfg.gemv_pairs else None
+    g1, g2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
 
-        def gemm1():
-            return [moe_gemv1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act, pairs=pairs) for w in ws]
+    def gemm1():
+        return [g1(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
 
-        def gemm2():
-            return [moe_gemv2(st.act, r, w, cfg, out=y_out, pairs=pairs) for w in ws]
-    else:
-        def gemm1():
-            return [moe_gemm1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
-
-        def gemm2():
-            return [moe_gemm2(st.act, r, w, cfg, out=y_out) for w in ws]
+    def gemm2():
+        return [g2(st.act, r, w, cfg, out=y_out) for w in ws]
 
     def forward():
         workspace = st.workspace if same_tiles else None

@@ -148,7 +148,7 @@ def moe_fields(pairs: list[str], flag: str = "--moe") -> dict:
 def moe_changes_apply(config, changes: dict) -> bool:
     """Whether MoeConfig `changes` are meant for `config`: the matrix-vector configs (T = 1) take only
     changes that name gemv fields, since tile specs for the tiled decode kernels would reshape the
-    gemv's blocks; the tiled configs only changes that name none (gemv_tma needs gemv=True)."""
+    gemv's blocks; the tiled configs only changes that name none."""
     names_gemv = any(name.startswith("gemv") for name in changes)
     return names_gemv if config.gemv else not names_gemv
 

@@ -136,15 +136,6 @@ def _loop_body(text: str) -> str:
     return _loop_bodies(text)[0]
 
 
-def _shortest_loop_with(text: str, marker: str) -> str:
-    """The shortest backward branch's SASS holding `marker`: a pipelined K loop, where a longer
-    branch (an mbarrier wait's retry stub placed after the loop) spans the loop and its epilogue."""
-    bodies = [body for body in _loop_bodies(text, 64) if marker in body]
-    if not bodies:
-        raise RuntimeError(f"no loop holds {marker}")
-    return min(bodies, key=lambda body: len(body.splitlines()))
-
-
 def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales: tuple[str, str] = ("bytes", "bytes"),
              short: int = 0, pairs: bool = False):
     """Prefill tiles (weights as wgmma's register operand) at a given tile height; gemm1 takes tiles
@@ -204,44 +195,26 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          experts: int = 0, tma: bool = False, pairs: bool = False):
+          experts: int = 0):
     """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk). The
-    weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group), or with
-    `tma` (MoeConfig.gemv_tma) as TMA copies into the pipeline's shared memory, with no spills.
-    `pairs` (MoeConfig.gemv_pairs): gemv1 stores them; gemv2's K loop then converts no layout
-    through shared memory (no STS), and without TMA has no barrier (with it, the pipeline's own
-    waits and the TMA buffer's release stay)."""
+    weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group)."""
     from gptoss_cli.kernels import moe_gemv as mg
     from gptoss_cli.kernels.moe_matmul import ROW_GROUP
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
-                "topk_ids_ptr": "*i32", "pairs_ptr": "*i32"}
-    rows = 2 * block_n if which == "gemv1" else block_n
-    box = f"[{max(rows // ROW_GROUP, 1)}, {block_k // 32}, {min(rows, ROW_GROUP) * 4}]"
-    desc = {"w_desc": f"tensordesc<i32{box}>"} if tma else {}
-    options = {"TMA": tma, "STAGES": 3, "PAIRS": pairs, **({} if tma else {"w_desc": None})}
+                "topk_ids_ptr": "*i32"}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
-        kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers | desc,
+        kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers,
                               {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16,
-                               "PDL": True, "ROW_GROUP": ROW_GROUP, **logits, **options}, num_warps)
+                               "PDL": True, "ROW_GROUP": ROW_GROUP, **logits}, num_warps)
     else:
         pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-        kernel = compile_sm90(mg._gemv2_kernel, pointers | desc,
+        kernel = compile_sm90(mg._gemv2_kernel, pointers,
                               {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
-                               "ROW_GROUP": ROW_GROUP, **options}, num_warps)
-    text = sass(kernel)
-    loop = _shortest_loop_with(text, "HFMA2" if f16 else "LDG")
-    stores = len(re.findall(r"\bSTS", loop))  # not cp.async's LDGSTS
-    if pairs and which == "gemv2" and (stores or not tma and "BAR.SYNC" in loop):
-        raise RuntimeError(f"gemv2 with pre-packed pairs: {stores} shared stores and "
-                           f"{loop.count('BAR.SYNC')} barriers per K step")
-    if tma:
-        if "UTMALDG" not in loop:
-            raise RuntimeError(f"{which}: no TMA copy in the K loop")
-        _no_spills(kernel, f"{which} with TMA")
-    elif "LDG.E.128" not in text:
+                               "ROW_GROUP": ROW_GROUP}, num_warps)
+    if "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
 
@@ -364,11 +337,6 @@ CASES = {
     "gemv1-f16-topk-32-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32),
     "gemv1-f16-topk-128-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=128),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
-    "gemv1-f16-tma": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32, tma=True),
-    "gemv2-f16-tma": lambda: _gemv("gemv2", 8, 512, f16=True, tma=True),
-    "gemv1-f16-pairs": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32, pairs=True),
-    "gemv2-f16-pairs": lambda: _gemv("gemv2", 8, 512, f16=True, pairs=True),
-    "gemv2-f16-tma-pairs": lambda: _gemv("gemv2", 8, 512, f16=True, tma=True, pairs=True),
 }
 
 

@@ -22,7 +22,7 @@ from gptoss_cli.kernels.moe import (
     route_ref,
     router_logits,
 )
-from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2, x_pairs_ref
+from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_matmul import (
     FOLD_MAX_SCALE,
     checkpoint_blocks,
@@ -425,63 +425,6 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
-@pytest.mark.parametrize("row_group,block_n1,block_n2", [(16, 16, 32), (32, 8, 8), (1, 16, 64), (32, 16, 64)],
-                         ids=["two-groups-per-box", "part-of-a-group", "checkpoint-order", "rows-past-the-end"])
-def test_gemv_tma_matches_twins(device, row_group, block_n1, block_n2):
-    # MoeConfig.gemv_tma: each K step's words come as one box of the [E * N/R, K/32, R * 4] view.
-    # Boxes of several row groups, of part of one (the program's first row at a word offset inside
-    # its group: 8-row programs in 32-row groups), of single rows (R = 1), and ones reaching past the
-    # last row (gemv2's 96 rows in 64-row programs: the second box's second group is the next
-    # expert's or past the tensor, rows the kernel must not store), with a half-masked last K step
-    # (K = 96, K step 64).
-    experts, hidden, inter, top_k, tokens = 4, 96, 96, 4, 2
-    config = dataclasses.replace(GEMV, block_n1=block_n1, block_n2=block_n2, gemv_tma=True)
-    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), row_group=row_group)
-    assert w.row_group == row_group
-    x = torch.randn(tokens, hidden, device=device)
-    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
-    want_act = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)  # sorted rows; the gemv kernels use slot order
-    in_slot_order = want_act[r.slot_rows.long()]
-    assert_close(moe_gemv1_swiglu(x, r, w, 3.0, 1.702, config), in_slot_order, _tol(torch.float32, device),
-                 "gemv1+swiglu (TMA)")
-    assert_close(moe_gemv2(in_slot_order, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(torch.float32, device),
-                 "gemv2 (TMA)")
-
-
-@pytest.mark.parametrize("block_n1,dtype", [(16, torch.float32), (8, torch.bfloat16), (32, torch.float32)])
-def test_gemv1_stores_the_pairs_gemv2_reads(device, block_n1, dtype):
-    # MoeConfig.gemv_pairs: gemv1 stores act also as fp16 pairs in the asm's word order (the twin
-    # x_pairs_ref); I = 96: the last 32-column block is split across programs of 8-32 columns.
-    # (gemv2 reads them only in its packed-fp16 path: a GPU test.)
-    experts, hidden, inter, top_k, tokens = 4, 64, 96, 4, 2
-    config = dataclasses.replace(GEMV, block_n1=block_n1, gemv_pairs=True)
-    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device))
-    x = torch.randn(tokens, hidden, device=device).to(dtype)
-    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
-    pairs = torch.full((tokens * top_k, inter // 2), -1, dtype=torch.int32, device=device)
-    act = moe_gemv1_swiglu(x, r, w, 3.0, 1.702, config, pairs=pairs)
-    assert torch.equal(pairs, x_pairs_ref(act))
-    want = moe_gemm1_swiglu_ref(x, r, w, 3.0, 1.702)
-    assert_close(act.float(), want[r.slot_rows.long()].float(), _tol(dtype, device), "gemv1 with pairs")
-    assert_close(moe_gemv2(act, r, w, config, pairs=pairs), moe_gemm2_ref(want, r, w), _tol(dtype, device), "gemv2")
-    with pytest.raises(ValueError, match="gemv_pairs"):
-        moe_gemv2(act, r, w, config)
-
-
-def test_x_pairs_ref_word_order():
-    a = torch.arange(64, dtype=torch.float32)[None]  # exact in fp16
-    words = x_pairs_ref(a).view(torch.int32)[0]
-    lo, hi = (words & 0xFFFF).to(torch.int16).view(torch.float16), (words >> 16).to(torch.int16).view(torch.float16)
-    g, i, j = 1, 2, 3  # word 16 g + 4 i + j holds columns 32 g + 8 j + i and + 4
-    assert (lo[16 * g + 4 * i + j].item(), hi[16 * g + 4 * i + j].item()) == (32 * g + 8 * j + i, 32 * g + 8 * j + i + 4)
-
-
-@pytest.mark.parametrize("field", ["gemv_tma", "gemv_pairs"])
-def test_gemv_options_need_the_gemv(field):
-    with pytest.raises(ValueError, match=field):
-        dataclasses.replace(DECODE, **{field: True})
-
-
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
                                                         (4, 128, 96, 4), (4, 32, 2500, 4)])
 @pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
@@ -565,10 +508,6 @@ def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
     assert torch.equal(act, moe_gemv1_swiglu(x, want_r, w, 7.0, 1.702, config))
     late = moe_forward(x, rw, rb, w, top_k, config=dataclasses.replace(config, gemv_topk=True))
     early = moe_forward(x, rw, rb, w, top_k, config=config)
-    # The same with the weights through TMA (MoeConfig.gemv_tma): the expert comes from the logits
-    # (its fp32 path sums each block in another order, so not bit for bit).
-    tma = dataclasses.replace(config, gemv_topk=True, gemv_tma=True)
-    assert_close(moe_forward(x, rw, rb, w, top_k, config=tma), late, 1e-5, "late top-k with TMA")
     if exact:
         assert torch.equal(got_r.topk_weights, want_r.topk_weights) and torch.equal(late, early)
     else:
@@ -640,9 +579,7 @@ def test_forward_with_workspace_is_identical(device):
     raw = _raw_weights(experts, hidden, inter, device)
     w = prepare_moe_weights(*raw)
     ws = MoeWorkspace.allocate(12, w, top_k, torch.float32, device)
-    # gemv with pairs: 1 token in the workspace's pairs buffer, 6 tokens past it (a buffer of their own).
-    pairs = dataclasses.replace(GEMV, gemv_pairs=True, gemv_tma=True)
-    for tokens, config in [(12, PREFILL), (5, DECODE), (1, pairs), (6, pairs)]:
+    for tokens, config in [(12, PREFILL), (5, DECODE)]:
         x, rw, rb = _inputs(tokens, experts, hidden, top_k, torch.float32, device, seed=tokens)
         plain = moe_forward(x, rw, rb, w, top_k, config=config)
         assert torch.equal(moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config), plain)
@@ -876,29 +813,21 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", [{}, {"gemv_tma": True}, {"gemv_pairs": True}, {"gemv_tma": True, "gemv_pairs": True}],
-                         ids=["loads", "tma", "pairs", "tma-pairs"])
 @pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
-def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, variant):
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
     # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
-    # must redo its rows in fp32 and still match the twin. Variants: the weights through TMA
-    # (MoeConfig.gemv_tma), gemv2's activations as pairs gemv1 packed (gemv_pairs; x_pairs_ref here,
-    # so gemv2 sees the reference act).
+    # must redo its rows in fp32 and still match the twin.
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
-    config = dataclasses.replace(pick_config(1, experts, top_k), **variant)
+    config = pick_config(1, experts, top_k)
     assert config.gemv and config.gemv_f16
     x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
     r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)
-    pairs = torch.empty(top_k, inter // 2, dtype=torch.int32, device="cuda") if config.gemv_pairs else None
-    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config, pairs=pairs)
+    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config)
     want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)  # sorted rows; gemv: slot order
     assert torch.isfinite(act.float()).all()
     assert rel_err(act, want[r.slot_rows.long()]) < 1e-2
-    if pairs is not None:
-        assert torch.equal(pairs, x_pairs_ref(act))
-    slot_act = want[r.slot_rows.long()]
-    y = moe_gemv2(slot_act, r, w, config, pairs=None if pairs is None else x_pairs_ref(slot_act))
+    y = moe_gemv2(want[r.slot_rows.long()], r, w, config)
     assert rel_err(y, moe_gemm2_ref(want, r, w)) < 1e-2
 
 

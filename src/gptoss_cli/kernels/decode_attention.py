@@ -42,7 +42,8 @@ def decode_tiles(num_splits: int = 1) -> DecodeTiles:
     GPU with splits (H200 sweeps, batch 1, docs/performance.md): 128-key tiles and >= 1,024 keys
     per split took 32k context from 42.2 to 34.2 us per layer and 131k from 93 to 87 us (session
     3); >= 512 keys then took 32k from 27.5 to 23.8 us, 131k unchanged (session 8: at 1,024 only
-    32 of 66 splits held keys at 32k, ~2 programs per SM). The static split count is sized for the
+    32 of 66 splits held keys at 32k, ~2 programs per SM). 2 warps were 0.6-1.0 us slower at 1k-32k
+    and 1.3 us faster at 131k (session 19). The static split count is sized for the
     longest context, so a shorter row leaves splits idle instead of cutting its keys into
     slivers. One split (large batches) keeps the measured 64-key tile."""
     if is_interpreted():

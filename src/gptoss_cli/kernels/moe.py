@@ -117,7 +117,6 @@ class MoeWorkspace:
     act: torch.Tensor  # [max_tokens*K, I] activation dtype
     y: torch.Tensor  # [max_tokens*K, C] fp32
     router: moe_router.RouterScratch  # fused router (MoeConfig.fused_router)
-    pairs: torch.Tensor  # [min(max_tokens, moe_router.MAX_TOKENS)*K, I/2] int32: MoeConfig.gemv_pairs
 
     @classmethod
     def allocate(
@@ -130,8 +129,6 @@ class MoeWorkspace:
             act=torch.empty((slots, w.intermediate), dtype=dtype, device=device),
             y=torch.empty((slots, w.hidden), dtype=torch.float32, device=device),
             router=moe_router.RouterScratch.allocate(w.num_experts, device),
-            pairs=torch.empty((min(max_tokens, moe_router.MAX_TOKENS) * top_k, w.intermediate // 2), dtype=torch.int32,
-                              device=device),
         )
 
     def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype,
@@ -251,26 +248,13 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             logits = router_logits(x, router_weight, router_bias)
         with record_function("moe.route"):
             routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
+    gemm2 = moe_gemv2 if cfg.gemv else moe_gemm2
     with record_function("moe.w1+swiglu"):
         if cfg.gemv:
-            pairs = _gemv_pairs(cfg, workspace, num_tokens * top_k, w, x.device)
-            act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits, pairs=pairs)
+            act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits)
         else:
             act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
-        if cfg.gemv:
-            y = moe_gemv2(act, routing, w, cfg, out=bufs[2], pairs=pairs)
-        else:
-            # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
-            y = moe_gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
+        # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
+        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
     return y, cfg
-
-
-def _gemv_pairs(cfg: MoeConfig, workspace: MoeWorkspace | None, slots: int, w: MoeWeights,
-                device: torch.device) -> torch.Tensor | None:
-    """gemv1's pre-packed pairs for gemv2 (MoeConfig.gemv_pairs): the workspace's where they fit."""
-    if not cfg.gemv_pairs:
-        return None
-    if workspace is not None and slots <= workspace.pairs.shape[0]:
-        return workspace.pairs[:slots]
-    return torch.empty((slots, w.intermediate // 2), dtype=torch.int32, device=device)

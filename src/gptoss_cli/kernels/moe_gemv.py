@@ -18,18 +18,6 @@ for dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations ar
 so are their products; the 16 products per half-register are summed in fp16 (relative error
 ~2**-11 per add, below the bf16 rounding of the output), then in fp32 with the block scale. A
 block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows in fp32.
-
-TMA (MoeConfig.gemv_tma): the weight words arrive through a host TensorDescriptor over the
-row-grouped bytes viewed as int32 [E * N/R, K/32, R * 4] (R = MoeWeights.row_group), one box of
-[BLOCK_R/R or 1, BLOCK_K/32, min(BLOCK_R, R) * 4] words per K step, in a tl.range pipeline: the
-copy engine keeps num_stages - 1 steps of weights in flight per program in shared memory, where
-the pointer loads keep one step in registers. The program computes on the box's own
-[groups, block columns, rows] order, so no layout conversion of the weights is needed.
-
-Pairs (MoeConfig.gemv_pairs): the fp16 pairs of the asm are packed from x inside every K step,
-in their own layout, and reach the weight words' layout through shared memory (2 barriers per
-step in gemv2). With gemv_pairs gemv1 also stores act as those pairs (x_pairs_ref: the twin) and
-gemv2 loads each step's [G, 16] words straight into the layout the asm needs.
 """
 
 from __future__ import annotations
@@ -37,21 +25,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_matmul import (
     BLOCK_BYTES,
-    VALUES_PER_BLOCK,
     MoeConfig,
     MoeWeights,
     _check_activation,
     _dequant_mxfp4_halves,
     _dot_scaled_format,
-    _fp4_bits,
     _fp4_pairs_bf16,
     _out_buffer,
     _row_offsets,
-    _scale_fp32,
     _swiglu,
 )
 from .moe_routing import MoeRouting, topk_softmax_row
@@ -108,8 +92,8 @@ _X_PAIR_F16_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
 
 @triton.jit
 def _quarters(t):
-    """[..., 4] -> its 4 columns [...], in order."""
-    a, b = tl.split(tl.reshape(t, t.shape[:-1] + (2, 2)))  # column 2u + v: a holds v = 0, b v = 1
+    """[A, 4] -> its 4 columns, in order."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # column 2u + v: a holds v = 0, b v = 1
     t0, t2 = tl.split(a)
     t1, t3 = tl.split(b)
     return t0, t1, t2, t3
@@ -134,48 +118,10 @@ def _x_pairs_f16(x_ptr, g, left):
 
 
 @triton.jit
-def _x_pair_words(pairs_row, g, left):
-    """_x_pairs_f16's 16 pairs [G] from the words gemv1 packed (MoeConfig.gemv_pairs). Triton
-    reloads a load this small in the layout each use needs (offline sm_90: no shared-memory
-    conversion, no barrier); pairs packed in the kernel reach that layout through shared memory."""
-    offs = g[:, None] * 16 + tl.arange(0, 4)[None, :]  # word 16 g + 4 i + j, [G, j]
-    mask = offs < left // 2  # whole blocks: left is a multiple of 32
-    a0, b0, c0, d0 = _quarters(tl.load(pairs_row + offs, mask=mask, other=0))  # i = 0, j = 0..3
-    a1, b1, c1, d1 = _quarters(tl.load(pairs_row + offs + 4, mask=mask, other=0))
-    a2, b2, c2, d2 = _quarters(tl.load(pairs_row + offs + 8, mask=mask, other=0))
-    a3, b3, c3, d3 = _quarters(tl.load(pairs_row + offs + 12, mask=mask, other=0))
-    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
-
-
-@triton.jit
-def _f16_block_dots(w, xs):
-    """Unscaled fp32 dot products of weight words w [..., 4] (one 16-byte block per element) with
-    the asm's 16 activation pairs xs (_x_pairs_f16's order, each broadcastable to w.shape[:-1])."""
-    w0, w1, w2, w3 = _quarters(w)
-    return tl.inline_asm_elementwise(
-        _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
-        [w0, w1, w2, w3, xs[0], xs[4], xs[8], xs[12], xs[1], xs[5], xs[9], xs[13],
-         xs[2], xs[6], xs[10], xs[14], xs[3], xs[7], xs[11], xs[15]],
-        dtype=tl.float32, is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _f16_step_dots(w, x_row, pairs_row, k0, K, g, PAIRS: tl.constexpr):
-    """One K step's unscaled block dot products for weight words w [..., G, 4] (G = block columns,
-    second to last): activation pairs packed here from x, or with PAIRS read pre-packed."""
-    if PAIRS:
-        xs = _x_pair_words(pairs_row + k0 // 2, g, K - k0)
-    else:
-        xs = _x_pairs_f16(x_row + k0, g, K - k0)
-    return _f16_block_dots(w, xs)
-
-
-@triton.jit
-def _mx_gemv_f16(x_row, pairs_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ROW_GROUP: tl.constexpr, PAIRS: tl.constexpr):
+def _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ROW_GROUP: tl.constexpr):
     """_mx_gemv with packed-fp16 block dot products (module docstring); NaN/inf where a block
-    overflowed fp16. PAIRS: the activations as pre-packed pairs (MoeConfig.gemv_pairs)."""
+    overflowed fp16."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     words = w_base.to(tl.pointer_type(tl.int32))
@@ -187,7 +133,16 @@ def _mx_gemv_f16(x_row, pairs_row, w_base, s_base, wrows, wrow_ok, K, stride_wn,
         g_ok = g < (K - k0) // 32
         w = tl.load(w_ptrs, mask=wrow_ok[:, None, None] & g_ok[None, :, None], other=0)
         scl = tl.load(scl_ptrs, mask=wrow_ok[:, None] & g_ok[None, :], other=0)
-        dot = _f16_step_dots(w, x_row, pairs_row, k0, K, g, PAIRS)
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = _x_pairs_f16(x_row + k0, g, K - k0)
+        w0, w1, w2, w3 = _quarters(tl.reshape(w, (BLOCK_R * G, 4)))
+        dot = tl.inline_asm_elementwise(
+            _FP4_DOT_F16_ASM, _FP4_DOT_F16_CONSTRAINTS,
+            [tl.reshape(w0, (BLOCK_R, G)), tl.reshape(w1, (BLOCK_R, G)), tl.reshape(w2, (BLOCK_R, G)),
+             tl.reshape(w3, (BLOCK_R, G)),
+             a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :], c1[None, :], d1[None, :],
+             a2[None, :], b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :], c3[None, :], d3[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
         acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         w_ptrs += G * (BLOCK_BYTES // 4 * ROW_GROUP)
         scl_ptrs += G * stride_sg
@@ -239,78 +194,21 @@ def _mx_gemv(
 
 
 @triton.jit
-def _box_scales(s_base, row0, n_rows, g, stride_sg, BOX_G: tl.constexpr, BOX_R: tl.constexpr):
-    """Scale pointers [BOX_G, BOX_R, G] of the program's rows (row0 + i * BOX_R + r) and their mask."""
-    rows = row0 + tl.arange(0, BOX_G)[:, None, None] * BOX_R + tl.arange(0, BOX_R)[None, :, None]
-    return s_base + g[None, None, :] * stride_sg + rows, rows < n_rows
-
-
-@triton.jit
-def _nibble_dots(words, x_row, g, left):
-    """fp32 [..., G] unscaled dot products (times 2**-14, _fp4_bits' offset) of words [..., G, 4]
-    with x; word j of block g holds values 32g + 8j + n in nibble n."""
-    g_ok = g < left // 32
-    j = tl.arange(0, 4)
-    dots = tl.zeros(words.shape[:-1], dtype=tl.float32)
-    for n in tl.static_range(8):
-        w, _ = _fp4_bits(((words >> (4 * n)) & 0xF).to(tl.uint8))  # the nibble as a byte's low half
-        w = w.to(tl.float16, bitcast=True).to(tl.float32)
-        x = tl.load(x_row + g[:, None] * 32 + j[None, :] * 8 + n, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        dots += tl.sum(w * x, axis=-1)
-    return dots
-
-
-@triton.jit
-def _mx_gemv_tma(x_row, pairs_row, w_desc, grp, woff, s_base, row0, n_rows, K, stride_sg, BLOCK_K: tl.constexpr,
-                 BOX_G: tl.constexpr, BOX_R: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """[BOX_G * BOX_R] fp32 dot products of rows row0.. (module docstring, TMA) with x[:K]; F16: the
-    packed-fp16 asm (NaN/inf where a block overflowed, as _mx_gemv_f16), else fp32 (the interpreter).
-    The box [groups, block columns, rows] is computed on as [groups, rows, block columns]."""
-    G: tl.constexpr = BLOCK_K // 32
-    g = tl.arange(0, G)
-    scl_ptrs, row_ok = _box_scales(s_base, row0, n_rows, g, stride_sg, BOX_G, BOX_R)
-    acc = tl.zeros((BOX_G, BOX_R, G), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        box = tl.reshape(w_desc.load([grp, k0 // 32, woff]), (BOX_G, G, BOX_R, 4))
-        words = tl.permute(box, (0, 2, 1, 3))
-        scl = tl.load(scl_ptrs, mask=row_ok & (g < (K - k0) // 32)[None, None, :], other=0)
-        if F16:
-            dot = _f16_step_dots(words, x_row, pairs_row, k0, K, g, PAIRS)
-            acc += dot * (scl.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        else:
-            acc += _nibble_dots(words, x_row + k0, g, K - k0) * _scale_fp32(scl)
-        scl_ptrs += G * stride_sg
-    return tl.reshape(tl.sum(acc, axis=2), (BOX_G * BOX_R,))
-
-
-@triton.jit
 def _row_dots(
-    x_row, pairs_row, w_base, s_base, row0, n_rows, K, stride_wn, stride_sg, w_desc, expert,
+    x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
-    TMA: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
-    """The program's BLOCK_R dot products (rows row0.. of the expert's n_rows): packed fp16 when F16,
-    redone in fp32 if a block overflowed; with TMA the weights come through w_desc, with PAIRS (F16)
-    the activations as the pairs at pairs_row."""
-    wrows = row0 + tl.arange(0, BLOCK_R)
-    wrow_ok = wrows < n_rows
-    if TMA:
-        BOX_R: tl.constexpr = BLOCK_R if BLOCK_R < ROW_GROUP else ROW_GROUP
-        grp = (expert * (n_rows // ROW_GROUP) + row0 // ROW_GROUP).to(tl.int32)
-        acc = _mx_gemv_tma(x_row, pairs_row, w_desc, grp, (row0 % ROW_GROUP) * 4, s_base, row0, n_rows, K,
-                           stride_sg, BLOCK_K, BLOCK_R // BOX_R, BOX_R, F16, PAIRS, STAGES)
-    elif F16:
-        acc = _mx_gemv_f16(x_row, pairs_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
-                           BLOCK_K, ROW_GROUP, PAIRS)
-    else:
-        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
-                       ROW_GROUP)
+    """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
     if F16:
+        acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
+                           ROW_GROUP)
         if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
             # Short K steps: this rare path must not raise the kernel's register count.
             acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False,
                            ROW_GROUP)
+    else:
+        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
+                       ROW_GROUP)
     return acc
 
 
@@ -343,28 +241,14 @@ def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_ex
 
 
 @triton.jit
-def _store_x_pairs(pairs_row, v, col0, n_cols, BLOCK_N: tl.constexpr):
-    """Columns col0.. of an activation row (v [BLOCK_N] fp32, already rounded to the activation
-    dtype) as the fp16 pairs _x_pairs_f16 would make of them, at word 16g + 4i + j for column
-    32g + 8j + i and its partner + 4 (MoeConfig.gemv_pairs). BLOCK_N and col0: multiples of 8."""
-    lo, hi = tl.split(tl.permute(tl.reshape(v, (BLOCK_N // 8, 2, 4)), (0, 2, 1)))  # [8-column group, i]
-    lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    q = col0 // 8 + tl.arange(0, BLOCK_N // 8)  # 8-column group: 4g + j
-    word = (q // 4)[:, None] * 16 + tl.arange(0, 4)[None, :] * 4 + (q % 4)[:, None]
-    tl.store(pairs_row + word, ((hi16 << 16) | lo16).to(tl.int32, bitcast=True), mask=(q * 8 < n_cols)[:, None])
-
-
-@triton.jit
 def _gemv1_swiglu_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
-    logits_ptr, stride_lt, topk_weights_ptr, num_experts, w_desc, pairs_ptr, stride_pt,
+    logits_ptr, stride_lt, topk_weights_ptr, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1,
-    BLOCK_E: tl.constexpr = 1, TMA: tl.constexpr = False, STAGES: tl.constexpr = 1, PAIRS: tl.constexpr = False,
+    BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
-    """PAIRS: also store act as gemv2's pre-packed pairs (MoeConfig.gemv_pairs)."""
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
         slot, expert = _slot_expert_from_logits(logits_ptr, stride_lt, topk_ids_ptr, topk_weights_ptr, num_experts,
@@ -373,40 +257,32 @@ def _gemv1_swiglu_kernel(
         slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
-    row0 = tl.program_id(1) * 2 * BLOCK_N
-    x_row = x_ptr + token.to(tl.int64) * stride_xt
-    acc = _row_dots(x_row, x_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, row0, 2 * inter, hidden,
-                    stride_wn, stride_sg, w_desc, expert, 2 * BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, TMA, STAGES,
-                    False)
-    wrows = row0 + tl.arange(0, 2 * BLOCK_N)
+    wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
+    acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = _swiglu(gate, up, limit, alpha).to(act_ptr.dtype.element_ty)
+    out = _swiglu(gate, up, limit, alpha)
     row = tl.program_id(0).to(tl.int64)
-    tl.store(act_ptr + row * stride_at + cols, out, mask=cols < inter)
-    if PAIRS:
-        _store_x_pairs(pairs_ptr + row * stride_pt, out.to(tl.float32), tl.program_id(1) * BLOCK_N, inter, BLOCK_N)
+    tl.store(act_ptr + row * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=cols < inter)
 
 
 @triton.jit
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter, w_desc, pairs_ptr, stride_pt,
+    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
-    ROW_GROUP: tl.constexpr, TMA: tl.constexpr = False, STAGES: tl.constexpr = 1, PAIRS: tl.constexpr = False,
+    ROW_GROUP: tl.constexpr,
 ):  # fmt: skip
-    """PAIRS (with F16): act's pairs pre-packed by gemv1 (MoeConfig.gemv_pairs)."""
     wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
-    row0 = tl.program_id(1) * BLOCK_N
-    act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
-    pairs_row = pairs_ptr.to(tl.pointer_type(tl.int32)) + tl.program_id(0).to(tl.int64) * stride_pt
-    acc = _row_dots(act_row, pairs_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, row0, hidden, inter,
-                    stride_wn, stride_sg, w_desc, expert, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, TMA, STAGES, PAIRS)
-    rows = row0 + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
+    act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
+    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
+                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -427,55 +303,17 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights) -> dict:
     """The launch arguments both gemv kernels take from the config, their input `a` and the weights."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
-            "ROW_GROUP": w.row_group, "TMA": config.gemv_tma, "STAGES": config.num_stages, "PAIRS": config.gemv_pairs,
-            "num_warps": config.num_warps, "num_stages": config.num_stages}
-
-
-def x_pairs_ref(a: torch.Tensor) -> torch.Tensor:
-    """Plain-torch twin of gemv1's pre-packed pairs (MoeConfig.gemv_pairs): a [S, I] (I a multiple
-    of 32) -> int32 [S, I/2], word 16g + 4i + j = fp16 bits of a[32g + 8j + i] | those of
-    a[32g + 8j + i + 4] << 16."""
-    s, n = a.shape
-    bits = a.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    t = bits.view(s, n // 32, 4, 2, 4)  # [S, g, j, half, i]
-    words = (t[:, :, :, 0, :] | (t[:, :, :, 1, :] << 16)).transpose(2, 3)  # [S, g, i, j]
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(s, n // 2)
-
-
-def _checked_pairs(config: MoeConfig, pairs: torch.Tensor | None, slots: int, inter: int,
-                   a: torch.Tensor) -> torch.Tensor:
-    """The pairs buffer of MoeConfig.gemv_pairs ([S, I/2] int32, rows contiguous), or a placeholder
-    pointer (`a`) the kernels do not read without it."""
-    if not config.gemv_pairs:
-        return a
-    if pairs is None or pairs.dtype != torch.int32 or pairs.shape != (slots, inter // 2) or pairs.stride(1) != 1 \
-            or pairs.device != a.device:
-        got = None if pairs is None else f"{pairs.dtype} {tuple(pairs.shape)}"
-        raise ValueError(f"MoeConfig.gemv_pairs needs pairs: int32 [{slots}, {inter // 2}] with contiguous rows, got {got}")
-    return pairs
-
-
-def _weight_descriptor(config: MoeConfig, blocks: torch.Tensor, rows: int, k: int, block_r: int,
-                       row_group: int) -> TensorDescriptor | None:
-    """The TMA view of one matrix's expert bytes (module docstring) for programs of block_r rows;
-    None without MoeConfig.gemv_tma."""
-    if not config.gemv_tma:
-        return None
-    groups = blocks.shape[0] * rows // row_group
-    words = blocks.view(torch.int32).view(groups, k // VALUES_PER_BLOCK, row_group * 4)
-    box = [max(block_r // row_group, 1), config.block_k // VALUES_PER_BLOCK, min(block_r, row_group) * 4]
-    return TensorDescriptor.from_tensor(words, box)
+            "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def moe_gemv1_swiglu(
     x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float, config: MoeConfig,
-    out: torch.Tensor | None = None, logits: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows).
     logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them): the top-k and
     softmax are taken here and stored in routing.topk_ids / topk_weights, saving the router
-    launch its arrival counter and serial top-k tail. pairs [S, I/2] int32 (MoeConfig.gemv_pairs,
-    required then): also receives act as gemv2's pre-packed fp16 pairs."""
+    launch its arrival counter and serial top-k tail."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
@@ -487,36 +325,28 @@ def moe_gemv1_swiglu(
         extra = {"LOGITS": True, "BLOCK_TK": triton.next_power_of_2(routing.top_k),
                  "BLOCK_E": triton.next_power_of_2(w.num_experts)}
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
-    if config.gemv_pairs and (w.intermediate % VALUES_PER_BLOCK or config.block_n1 % 8):
-        raise ValueError("MoeConfig.gemv_pairs needs I a multiple of 32 and block_n1 a multiple of 8")
-    pr = _checked_pairs(config, pairs, act.shape[0], w.intermediate, act)
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
-        _weight_descriptor(config, w.w1_blocks, 2 * w.intermediate, w.hidden, 2 * config.block_n1, w.row_group),
-        pr, pr.stride(0), TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x, w), **extra,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x, w), **extra,
     )  # fmt: skip
     return act
 
 
 def moe_gemv2(
-    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None,
-    pairs: torch.Tensor | None = None,
+    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights.
-    pairs: act as moe_gemv1_swiglu packed it (MoeConfig.gemv_pairs, required then)."""
+    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
     slots = routing.num_tokens * routing.top_k
     y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out)
     if y.shape[0] == 0:
         return y
-    pr = _checked_pairs(config, pairs, slots, w.intermediate, act)
     _gemv2_kernel[(y.shape[0], triton.cdiv(w.hidden, config.block_n2))](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        _weight_descriptor(config, w.w2_blocks, w.hidden, w.intermediate, config.block_n2, w.row_group),
-        pr, pr.stride(0), BLOCK_N=config.block_n2, **_launch_options(config, act, w),
+        BLOCK_N=config.block_n2, **_launch_options(config, act, w),
     )  # fmt: skip
     return y

@@ -111,16 +111,6 @@ class MoeConfig:
     # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
     # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
-    # gemv: the weight words through TMA (moe_gemv.py docstring) in a num_stages-deep pipeline
-    # instead of 16-byte loads into registers. The batch-1 gemv waits on each K step's weight
-    # words (ncu, sessions 8-14); TMA keeps num_stages - 1 steps in flight without registers.
-    # Written in session 18 without a GPU: offline sm_90 only, not measured, so off.
-    gemv_tma: bool = False
-    # gemv: gemv1 also stores act as fp16 pairs in the asm's word order, which gemv2 (with
-    # gemv_f16) loads straight into the layout the asm needs; packed from act inside gemv2 they
-    # reach it through shared memory, 2 barriers per K step (offline sm_90: gemv2's loop
-    # 161 -> 158 instructions, no barrier). Session 18, not measured, so off.
-    gemv_pairs: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.
@@ -199,9 +189,6 @@ class MoeConfig:
             raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
         if self.gemm2_scale_unpack == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
             raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
-        for name in ("gemv_tma", "gemv_pairs"):
-            if getattr(self, name) and not self.gemv:
-                raise ValueError(f"MoeConfig.{name} is an option of the gemv kernels (gemv=True)")
         if self.round_slots and self.split_k > 1:
             raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
         if self.short_tiles not in (0, 1, 2):
