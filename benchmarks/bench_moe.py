@@ -233,7 +233,7 @@ VARIANTS_BY_TOKENS = {
 }
 
 
-# Either regime's tiles (kernels.moe_matmul.regime_config) where pick_config takes the other one,
+# Either regime's tiles (kernels.moe_config.regime_config) where pick_config takes the other one,
 # e.g. the decode tiles past DECODE_MAX_ROWS_PER_EXPERT rows per expert.
 REGIME_VARIANTS = {"decode-tiles": "decode", "prefill-tiles": "prefill"}
 
@@ -241,7 +241,7 @@ REGIME_VARIANTS = {"decode-tiles": "decode", "prefill-tiles": "prefill"}
 def _variant_config(case: Case, variant: str | dict):
     """pick_config's choice with a named variant's switches (or explicit fields) applied, or the
     named regime's tiles for this case."""
-    from gptoss_cli.kernels.moe_matmul import pick_config, regime_config
+    from gptoss_cli.kernels.moe_config import pick_config, regime_config
 
     if isinstance(variant, str) and variant in REGIME_VARIANTS:
         return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k, frag_scales=True)

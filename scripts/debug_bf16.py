@@ -1,5 +1,5 @@
 """Localise bf16 disagreement at real 20b shapes: each kernel vs its torch twin on layer-0 data."""
-import sys, time
+import sys
 import torch
 from gptoss_cli.runtime.random_checkpoint import random_tensor, random_config
 from gptoss_cli.runtime.checkpoint import expected_tensors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from helpers import load_script
 
-from gptoss_cli.kernels.moe_matmul import pick_config
+from gptoss_cli.kernels.moe_config import pick_config
 
 
 def test_gemv_fields_reach_only_the_gemv_and_tile_fields_only_the_tiles():

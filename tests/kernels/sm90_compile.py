@@ -101,8 +101,9 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
+    from gptoss_cli.kernels.moe_config import pick_config
 
-    config = mm.pick_config(num_tokens, 32, 4)
+    config = pick_config(num_tokens, 32, 4)
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": config.block_m, "GROUP_M": config.group_m,
@@ -188,7 +189,8 @@ def _prefill(block_m: int, num_stages: int = 3, fmt: str = "asm-folded", scales:
 def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
     """The SHORT_M / TINY_M (gemm2 with `pairs`: and PAIR_M) a launch passes for
     MoeConfig.short_tiles = `short` and pair_tiles = `pairs`."""
-    from gptoss_cli.kernels.moe_matmul import MoeConfig, _tile_heights
+    from gptoss_cli.kernels.moe_config import MoeConfig
+    from gptoss_cli.kernels.moe_matmul import _tile_heights
 
     config = MoeConfig("prefill", 16, 16, 16, 32, swap_ab=True, short_tiles=short, pair_tiles=pairs)
     return _tile_heights(config, rows, pairs)

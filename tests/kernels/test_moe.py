@@ -224,7 +224,7 @@ def test_prepare_marks_foldable_scales(device, high, fold):
 
 
 def test_asm_format_follows_config_and_weights(monkeypatch):
-    monkeypatch.setattr(moe_matmul, "_interpreting", lambda: False)  # the GPU's choice, on any machine
+    monkeypatch.setattr(moe_matmul, "is_interpreted", lambda: False)  # the GPU's choice, on any machine
     asm = dataclasses.replace(DECODE, asm_dequant=True)
     assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, True) == "asm-folded"
     assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, False) == "asm"

@@ -10,7 +10,8 @@ from .decode_step import advance_decode, decode_slots
 from .kv_store import kv_store
 from .linear import row_linear, supports_row_linear
 from .moe import MoeWorkspace, moe_block, moe_forward
-from .moe_matmul import MoeConfig, MoeWeights, prepare_moe_weights
+from .moe_config import MoeConfig
+from .moe_matmul import MoeWeights, prepare_moe_weights
 from .qkv_rope import qkv_rope_store
 from .rmsnorm import rms_norm
 from .rope import apply_rope, apply_rope_qkv, rope_cos_sin

@@ -14,13 +14,13 @@ Hkv KV heads, G = H / Hkv query heads per KV head, D head dim.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .interpreter import dot_dtype, is_interpreted
 from .kv_store import cache_geometry, load_kv_tile
 
 LOG2E = 1.4426950408889634
@@ -57,18 +57,6 @@ def attention_ref(
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces of the Triton attention kernels (prefill here, decode in decode_attention.py).
-
-
-def is_interpreted() -> bool:
-    """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """Operand dtype of tl.dot: the interpreter computes bf16/fp16 dots wrongly, so it gets fp32."""
-    if is_interpreted() or dtype == torch.float32:
-        return tl.float32
-    return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
 @triton.jit

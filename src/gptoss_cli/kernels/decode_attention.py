@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, LOG2E_C, check_int32, check_sinks_scale, dot_dtype, is_interpreted,
-                        softmax_step)
+from .attention import LOG2E, LOG2E_C, check_int32, check_sinks_scale, softmax_step
+from .interpreter import dot_dtype, is_interpreted
 from .kv_store import cache_geometry, load_kv_tile
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 

@@ -12,11 +12,11 @@ skipped); kernels.rope stores decode K/V through `store_token_heads` as it rotat
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .interpreter import is_interpreted
 
 
 def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -124,7 +124,7 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_tokens == 0:
         return
     # Interpreted programs cost ~0.4 ms each, so the CPU path takes bigger row groups.
-    block_t = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+    block_t = 16 if is_interpreted() else 4
     grid = (triton.cdiv(num_tokens, block_t),)
     _kv_store_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping, num_tokens,

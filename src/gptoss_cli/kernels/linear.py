@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import is_interpreted
+from .interpreter import is_interpreted
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 BLOCK_N = 2  # rows per program: 1,440 programs for o-proj, 2,560 for qkv

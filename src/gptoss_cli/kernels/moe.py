@@ -24,14 +24,13 @@ from torch.profiler import record_function
 
 from . import moe_router
 from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
+from .moe_config import MoeConfig, pick_config
 from .moe_matmul import (
-    MoeConfig,
     MoeWeights,
     moe_combine,
     moe_combine_norm,
     moe_gemm1_swiglu,
     moe_gemm2,
-    pick_config,
     prepare_moe_weights,
     slot_dtype,
 )

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_config import MoeConfig
 from .moe_matmul import (
     BLOCK_BYTES,
-    MoeConfig,
     MoeWeights,
     _check_activation,
     _dequant_mxfp4_halves,

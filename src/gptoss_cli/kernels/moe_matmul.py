@@ -30,7 +30,7 @@ and an E8M0 byte shifted into an fp32 exponent is exactly 2**(s - 127); folding 
 keeps every value exact for 1 <= s <= 240 (s = 0 reads as 0 instead of 2**-127; real checkpoints
 use scales near 2**-6). On the GPU `use_dot_scaled` hands the bytes to tl.dot_scaled instead.
 
-Regimes (pick_config, chosen on the host from T, which is static inside a CUDA graph):
+Regimes (moe_config.pick_config, chosen on the host from T, which is static inside a CUDA graph):
   decode:  few rows per expert, bandwidth-bound: BLOCK_M 16 (tl.dot's minimum), narrow column
            blocks so the ~53 MB of a token's 4 experts (real shapes) spread over hundreds of programs;
   prefill: many rows per expert, tensor-core bound: BLOCK_M grows with rows per expert to 256
@@ -42,15 +42,14 @@ Dimension legend: T tokens, C hidden, I intermediate, E experts, K experts per t
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
+from .interpreter import dot_dtype, is_interpreted
+from .moe_config import MoeConfig
 from .moe_routing import MoeRouting
 from .rmsnorm import normalize_rows
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
@@ -64,260 +63,8 @@ FOLD_MAX_SCALE = 128
 # batch 64 8,034 / 7,917 / 7,914 / 7,713 tok/s. 16 keeps the batch-1 gain at the least batch-64 cost.
 ROW_GROUP = 16
 BLOCK_BYTES = tl.constexpr(BYTES_PER_BLOCK)  # the kernels' name for it
-# Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used. H200,
-# 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
-# per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
-DECODE_MAX_ROWS_PER_EXPERT = 32
-SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack / scale_unpack2
 COMBINE_BLOCK = 256  # columns per combine program
 COMBINE_TOKENS = 16  # tokens per combine program
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Launch parameters of the grouped matmuls. pick_config's choices come from H200 sweeps
-    (docs/optimizations.md); tests force either regime with small blocks."""
-
-    regime: str  # "decode" or "prefill" (reporting only; the numbers below decide)
-    block_m: int  # sorted rows per tile; also the routing tile size
-    block_n1: int  # activation columns per gemm1 program (it reads 2x that many W1 rows)
-    block_n2: int  # output columns per gemm2 program
-    block_k: int  # reduction step, a multiple of 32 (one scale per 32 values)
-    group_m: int = 8  # tiles that sweep the column blocks together (L2 reuse)
-    num_warps: int = 4
-    num_stages: int = 3
-    # Register cap per thread for the tiled kernels (0 = the compiler's choice): fewer registers,
-    # more resident programs per SM.
-    maxnreg: int = 0
-    use_dot_scaled: bool = False  # GPU only: tl.dot_scaled on the packed bytes (ignored by the interpreter)
-    fast_math: bool = False  # tl.dot_scaled's fast_math
-    # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
-    asm_dequant: bool = False
-    # Decode, gemm2 only: cut K into split_k chunks, each its own program, for more loads in
-    # flight; the combine adds the partial slabs. H200, 20b T=1: gemm2 25.5 -> 18.8 us with 2
-    # splits. (gemm1 was slower split, 34.4 -> 38.8 us, and no longer has the option.)
-    split_k: int = 1
-    # Matrix-vector kernels (moe_gemv.py) instead of tiles: one program per (slot, column
-    # block), no tensor cores; block_n1/block_n2/block_k are then its tile. For ~1 row per expert.
-    gemv: bool = False
-    # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
-    gemv_f16: bool = False
-    # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
-    # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
-    fused_router: bool = False
-    # gemv with fused_router (T = 1): the router launch stops at the logits, and every gemv1
-    # program takes the top-k and softmax of its token's logits itself (the slot's first program
-    # stores them for gemv2), instead of the router's last program doing it after an arrival
-    # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
-    # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
-    gemv_topk: bool = False
-    # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
-    # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
-    # For prefill tiles; not with use_dot_scaled.
-    swap_ab: bool = False
-    # Unswapped tiles: the even and the odd K positions as two dots, so each dequantised register
-    # already holds two K-consecutive values of one dot operand (the interleave of low and high
-    # nibbles cost Triton ~1 PRMT per register). Offline SASS, batch-64 gemm1 K loop: 355 -> 302.
-    even_odd: bool = True
-    # The asm with the 2**126 folded into the scale (one packed multiply per pair instead of two)
-    # where the weights allow it (MoeWeights.fold_scales). Offline SASS, batch-64 gemm1: 302 -> 270.
-    fold_scales: bool = True
-    # gemm1 rows per program when smaller than the routing tile (0 = block_m): each gemm1 program
-    # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
-    # T=4096, swapped tiles: gemm2 1,344 -> 1,045 us at 256 rows, gemm1 1,655 -> 2,087 us.
-    block_m1: int = 0
-    # Swapped tiles: each K step's scales as int32 words of 4 rows, not bytes. A byte per thread is
-    # below cp.async's 4-byte minimum, so Triton's pipeliner leaves the scales as a plain load inside
-    # the loop; ncu's source view put the prefill gemm2's top stall on it (session 9). With words
-    # they join the weights' cp.async ring (offline SASS). pick_config turns it on for prefill
-    # tiles (H200, session 11: 20b TTFT 4k 81.7 -> 75.7 ms).
-    scale_words: bool = False
-    # gemm2's own K step and register cap (0 / None: block_k / maxnreg): the decode tiles' best K
-    # step differs between the two matmuls at some step sizes (_decode_tile_changes).
-    block_k2: int = 0
-    maxnreg2: int | None = None
-    # With scale_words, how gemm1 / gemm2 turn the words into bytes (_scale_tile; "" for gemm2: as
-    # gemm1): "join", "gather", "shift" or "frag". pick_config's choices per tile height come from H200
-    # measurements (session 15, docs/optimizations.md). "frag" (gemm1, K step 64, weights with
-    # MoeWeights.w1_scales_frag): one word per thread and step, gemm1's weight rows permuted within
-    # each 16-row block to match, so the scale tile needs no conversion either (pick_config with
-    # frag_scales). gemm2's "frag" reads MoeWeights.w2_scales_frag the same way (its output
-    # columns permuted, and put back before the store). Measured in session 16 (regime_config).
-    scale_unpack: str = "shift"
-    scale_unpack2: str = ""
-    # Skip the K masks where K is a whole number of K steps (real shapes with K step 64): the
-    # loads' predicates become loop-invariant. Offline sm_90: prefill gemm1 loop 253 -> 239
-    # instructions, decode tiles at T=64 468 -> 446 (gemm1) and 472 -> 444 (gemm2). H200, bench_moe
-    # per layer (session 15): decode 1-3 % faster (120b T=64 541.7 -> 526.4 us), prefill ~0-1 %.
-    even_k: bool = True
-    # gemm2 stores each slot's output rounded to the activation dtype (transformers' experts round
-    # theirs too) instead of fp32: half the bytes between gemm2 and the combine, which at T=4096
-    # are ~190 MB per layer in fp32. Not with split_k > 1 (partial sums stay fp32).
-    round_slots: bool = False
-    # Prefill tiles: a tile (gemm1: a slice) holding at most half its height in real rows runs a
-    # half-height copy of the kernel's body (1), or a quarter-height one where a quarter holds its
-    # rows (2), chosen per program at run time: the wgmmas, activation loads and epilogue scale
-    # with the tile height, used or not. At ~128 rows per expert (120b, 4k tokens) about half of
-    # gemm2's 256-row tiles and of gemm1's second 128-row slices are such tiles.
-    short_tiles: int = 0
-    # gemm2, with short_tiles 2 and swap_ab (ignored otherwise): a tile with more than half but at
-    # most 5/8 or 3/4 of its height in rows runs as a half-height tile plus an eighth- or
-    # quarter-height one, two dots sharing each dequantised weight tile (_mx_matmul_pair). At ~128
-    # rows per expert most of the 256-row tiles over half full hold up to ~160 rows. gemm1 keeps its
-    # slices: a second accumulator would take it past the 128 registers that fit two programs per SM.
-    pair_tiles: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n1", "block_n2", "block_k", "group_m"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
-        if self.block_k < VALUES_PER_BLOCK:
-            raise ValueError(f"MoeConfig.block_k must be >= {VALUES_PER_BLOCK}, got {self.block_k}")
-        if self.block_k2 and (self.block_k2 < VALUES_PER_BLOCK or self.block_k2 & (self.block_k2 - 1)):
-            raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, "
-                             f"got {self.block_k2}")
-        if self.split_k < 1:
-            raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
-        if self.swap_ab and self.use_dot_scaled:
-            raise ValueError("MoeConfig.swap_ab does not combine with use_dot_scaled")
-        if self.scale_unpack not in SCALE_UNPACKS:
-            raise ValueError(f"MoeConfig.scale_unpack must be one of {SCALE_UNPACKS}, got {self.scale_unpack!r}")
-        if self.scale_unpack2 not in ("",) + SCALE_UNPACKS:
-            raise ValueError(f"MoeConfig.scale_unpack2 must be '' or one of {SCALE_UNPACKS}, got {self.scale_unpack2!r}")
-        if self.scale_unpack == "frag" and (self.block_k != 64 or not self.swap_ab):
-            raise ValueError("MoeConfig.scale_unpack 'frag' needs swap_ab and block_k 64")
-        if self.gemm2_scale_unpack == "frag" and (self.gemm2_block_k != 64 or not self.swap_ab):
-            raise ValueError("MoeConfig.scale_unpack2 'frag' needs swap_ab and a gemm2 K step of 64")
-        if self.round_slots and self.split_k > 1:
-            raise ValueError("MoeConfig.round_slots needs split_k 1: split-K partial sums stay fp32")
-        if self.short_tiles not in (0, 1, 2):
-            raise ValueError(f"MoeConfig.short_tiles must be 0, 1 or 2, got {self.short_tiles}")
-        if self.block_m1 and (self.block_m1 & (self.block_m1 - 1) or self.block_m % self.block_m1):
-            raise ValueError(f"MoeConfig.block_m1 must be a power of two dividing block_m, got {self.block_m1}")
-
-    @property
-    def operands(self) -> str:
-        """The OPERANDS of _mx_dot: "swapped", "even_odd" or "interleaved" (tl.dot_scaled's tiles
-        ignore it: they read the packed bytes as they are)."""
-        return "swapped" if self.swap_ab else "even_odd" if self.even_odd else "interleaved"
-
-    @property
-    def gemm2_block_k(self) -> int:
-        return self.block_k2 or self.block_k
-
-    @property
-    def gemm2_maxnreg(self) -> int:
-        return self.maxnreg if self.maxnreg2 is None else self.maxnreg2
-
-    @property
-    def gemm2_scale_unpack(self) -> str:
-        """gemm2's unpack: scale_unpack2, else gemm1's."""
-        return self.scale_unpack2 or self.scale_unpack
-
-    @property
-    def gemm1_rows(self) -> int:
-        """Sorted rows per gemm1 program."""
-        return self.block_m1 or self.block_m
-
-
-def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
-    """Host-side heuristic: the regime and tile sizes from the expected rows per expert.
-    `frag_scales`: the weights hold fragment-order scales (MoeWeights.w1_scales_frag and
-    w2_scales_frag), which the prefill tiles then read."""
-    per_expert = num_tokens * top_k / num_experts
-    if num_tokens == 1:
-        # One row per expert: matrix-vector kernels (moe_gemv.py), packed fp16. H200, 20b, per layer
-        # (docs/performance.md, session 4): gemm1 19.2 us with 16 columns and K steps of 512 (20.9
-        # with 32 columns, 41.2 in fp32). gemm2 with 8 rows per program: the engine's batch-1 step
-        # fell from 2.02 to 1.90 ms against 16 rows (4 rows: 2.14; session 6). The top-k in gemv1
-        # (gemv_topk): 559.8 -> 565.5 tok/s (session 12). The interpreter runs
-        # programs one by one at a fixed cost each, so the CPU engine takes 64-wide blocks (the
-        # kernel tests choose their own tiles).
-        wide = 64 if _interpreting() else 0
-        return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
-                         gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
-    return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
-                         num_experts, top_k, frag_scales)
-
-
-def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
-    """Where the decode tiles depart from 16 rows, K step 64 and a cap of 128 registers, measured in
-    the engine (H200, profile_decode, session 14; the kernel-level wins of bench_moe's earlier,
-    bias-skewed routing did not all carry over, docs/optimizations.md). 32 experts only: 120b's
-    128 were slower both ways at every step size measured (bench_moe, 2 to 256 tokens).
-    - >= 16 rows per expert: 32-row tiles (187 / 213 registers, no spills; 5 / 4 programs per SM),
-      so each weight tile is dequantised once per 32 rows. bench_moe, 20b per layer: T=128 267.8 ->
-      248.2 us, T=192 317.3 -> 251.8, T=256 386.4 -> 366.3; engine, 256 requests of 1k in / 1k out:
-      13,730 -> 14,410 output tok/s.
-    - 5 to 7 rows per expert: gemm2 takes K steps of 128 without a cap (142 registers). Engine, 20b
-      batch 48: gemm2 74.5 -> 63.9 us per layer, step 6.209 -> 5.929 ms; at batch 64 (8 rows) it was
-      2.2 us slower, at batches 8-16 (with gemm1 too) 3-10 % slower."""
-    if num_experts > 32:
-        return {}
-    if per_expert >= 16:
-        return {"block_m": 32, "maxnreg": 0}
-    if 5 <= per_expert < 8:
-        return {"block_k2": 128, "maxnreg2": 0}
-    return {}
-
-
-def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
-    """pick_config's tiles of `regime` ("decode" or "prefill") for a step of num_tokens > 1, whether
-    or not pick_config would take that regime there (bench_moe compares them)."""
-    per_expert = num_tokens * top_k / num_experts
-    if regime == "decode":
-        # 2 warps per program: a K step's scales (128 weight rows x 2 groups) are then 4 bytes per
-        # thread, cp.async's minimum, so they travel in the weights' pipeline ring; with 4 warps
-        # they were a 1-2 byte load waited on inside every step (ncu: 42-47 % of the stall
-        # samples). gemm2 takes 128 columns for the same reason. H200, per layer (bench_moe,
-        # session 13), against session 12's 4-warp tiles: 20b T=64 268 -> 201 us, T=16 169 -> 130,
-        # 120b T=64 532 -> 325, T=16 285 -> 202; engine 20b batch 64 7,909 -> 10,003 tok/s.
-        # 128 registers: 9 programs per SM, no spills (offline sm_90). At <= 1 row per expert gemm2
-        # is split in two along K for more programs in flight (20b T=4: 25.8 -> 21.6 us; 120b T=8:
-        # 56.7 -> 39.4).
-        tiles = {"block_m": 16, "maxnreg": 128} | _decode_tile_changes(per_expert, num_experts)
-        return MoeConfig("decode", block_n1=64, block_n2=128, block_k=64, num_warps=2, num_stages=3, asm_dequant=True,
-                         split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS, **tiles)
-    block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
-    if per_expert >= 128:
-        # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty
-        # 128-row tile whose weight tile gemm2 dequantises again; 256-row tiles hold each expert in
-        # one. H200, 120b T=4096: gemm2 1,873 -> 1,686 us (20b T=1024: 493 -> 472). At 64 rows per
-        # expert twice the tile height is slower (120b T=2048: gemm2 972 -> 1,397 us).
-        block_m = 256
-    # Weights as wgmma's register operand (swap_ab), dequantised by the asm: Triton 3.6 rejects the
-    # asm tile as the shared-memory operand ("Illegal shared layout"), and the swapped K loop is
-    # ~28 % shorter in SASS (docs/optimizations.md, session 7). 128 weight rows per tile, so each
-    # of the two warpgroups dequantises its own 64. gemm2 gains from 256-row tiles, gemm1 loses,
-    # so gemm1 takes them in 128-row slices. Scales as int32 words in the cp.async ring: H200, 20b
-    # TTFT of a 4k prompt 81.7 -> 75.7 ms (session 11).
-    # How the scale words become bytes (MoeConfig.scale_unpack; H200, bench_moe per layer, session 15),
-    # against session 11's shifts: from 128-row tiles gemm1 joins (20b T=4096 1,501 -> 1,454 us, 120b
-    # 1,966 -> 1,881) and gemm2 gathers (20b 879 -> 854 us, 120b 1,327 -> 1,274); TTFT of a 4k prompt
-    # 20b 76.6 -> 73.0 ms, 120b 150.4 -> 143.8. 64-row tiles keep the shifts (120b T=2048: joins took
-    # gemm1 1,432 -> 1,574 us and gemm2 758 -> 833, gathers gemm2 to 790).
-    # Where the weights hold fragment-order words, both gemms read those at every tile height (H200,
-    # bench_moe per layer, session 16): gemm1 joins -> frag 20b T=4096 1,453 -> 1,358 us, 120b
-    # 1,881 -> 1,754 (TTFT of a 4k prompt 75.0 -> 72.2 ms); gemm2 gathers -> frag 20b 761 -> 735 us,
-    # 120b 1,136 -> 1,091; 64-row tiles (120b T=2048), shifts -> frag: gemm1 1,358 -> 1,234 us,
-    # gemm2 734 -> 656.
-    if frag_scales:
-        unpack = {"scale_unpack": "frag"}
-    else:
-        unpack = {"scale_unpack": "join", "scale_unpack2": "gather"} if block_m >= 128 else {}
-    # gemm2's per-slot outputs rounded to the activation dtype (round_slots): half of y's ~190 MB
-    # per layer at T=4096 between gemm2 and the combine.
-    # Tiles (gemm1: slices) at most half / a quarter full run at that height (short_tiles 2). H200,
-    # bench_moe moe_forward per layer (session 17): 120b T=4096 2,908 -> 2,638 us (gemm2 1,074 ->
-    # 931), 20b T=4096 2,126 -> 2,053, T=1024 746 -> 679; TTFT of a 4k prompt 20b 68.6 -> 65.6 ms,
-    # 120b 133.6 -> 118.5. gemm2's tiles up to 5/8 or 3/4 full as two dots (pair_tiles): 120b
-    # T=4096 gemm2 904 -> 858 us, TTFT 118.8 -> 117.4 ms; 20b unchanged.
-    return MoeConfig(
-        "prefill", block_m=block_m, block_n1=64, block_n2=128, block_k=64,
-        num_warps=8, num_stages=3, asm_dequant=True, swap_ab=True, block_m1=min(block_m, 128), scale_words=True,
-        round_slots=True, short_tiles=2, pair_tiles=True, **unpack,
-    )  # fmt: skip
 
 
 @dataclass
@@ -424,20 +171,9 @@ def _fragment_scales(scales: torch.Tensor) -> torch.Tensor:
     return padded.view(e, n, -1, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """The interpreter's bf16/fp16 dots are wrong, so it computes in fp32; the GPU uses the input type."""
-    if _interpreting() or dtype == torch.float32:
-        return tl.float32
-    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get full-precision dots (not TF32): fp32 is the exactness reference."""
-    return "ieee" if _dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
+    return "ieee" if dot_dtype(dtype) == tl.float32 else "tf32"  # tf32 has no effect on 16-bit inputs
 
 
 def _register_cap(maxnreg: int) -> dict:
@@ -457,7 +193,7 @@ def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool 
     """The A_FORMAT of _mx_dot: tl.dot_scaled's name for the activation type, "asm" for the packed
     bf16 dequantisation ("asm-folded" where the weights' scales allow one multiply), or "" where
     the portable path must run (interpreter, fp32, fp16)."""
-    if _interpreting():
+    if is_interpreted():
         return ""
     if config.use_dot_scaled:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
@@ -1135,7 +871,7 @@ def moe_gemm1_swiglu(
         act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, DOT_DTYPE=_dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
+        GROUP_M=config.group_m, DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         OPERANDS=config.operands, SCALES=scales_mode,
         SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
@@ -1167,7 +903,7 @@ def moe_gemm2(
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
-        DOT_DTYPE=_dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
+        DOT_DTYPE=dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
         A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
         SPLIT_K=config.split_k, SCALES=scales_mode,
         ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,

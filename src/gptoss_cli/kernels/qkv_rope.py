@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import is_interpreted
+from .interpreter import is_interpreted
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
 from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
