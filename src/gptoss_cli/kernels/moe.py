@@ -23,8 +23,8 @@ import torch
 from torch.profiler import record_function
 
 from . import moe_router
-from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from .moe_config import MoeConfig, pick_config
+from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from .moe_matmul import (
     MoeWeights,
     moe_combine,

@@ -51,9 +51,9 @@ import triton.language as tl
 from .interpreter import dot_dtype, is_interpreted
 from .moe_config import MoeConfig
 from .moe_routing import MoeRouting
-from .rmsnorm import normalize_rows
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
+from .rmsnorm import normalize_rows
 
 # Largest E8M0 byte the folded asm takes: its scale operand 2**(s - 1) must be a bf16 normal.
 FOLD_MAX_SCALE = 128
