@@ -44,7 +44,7 @@ class Case:
 
 MODELS = (("20b", 32), ("120b", 128))  # (name, experts); both have hidden = intermediate = 2880, top-4
 CASES = [Case(m, e, 2880, 2880, 4, t) for m, e in MODELS for t in (1, 64, 4096)]
-SMOKE_CASES = [Case("tiny", 8, 64, 64, 4, 3)]
+SMOKE_CASES = [Case("tiny", 8, 64, 64, 4, 1), Case("tiny", 8, 64, 64, 4, 3)]  # T=1: the gemv with its top-k
 
 
 def _random_layer(case: Case, device: str):
@@ -273,10 +273,19 @@ def _kernels(st: _Setup, variant):
     y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
         torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
-    g1, g2 = (moe_gemv1_swiglu, moe_gemv2) if cfg.gemv else (moe_gemm1_swiglu, moe_gemm2)
+    g2 = moe_gemv2 if cfg.gemv else moe_gemm2
+    if cfg.gemv:
+        # With gemv_topk every gemv1 program takes its slot's top-k from the router logits, as
+        # moe_forward runs it. Until session 19 this row left that prologue out, and 8-column
+        # programs were 1.5 us faster in it while moe_forward was 1.1 us slower (not yet re-timed).
+        logits = st.logits.float() if cfg.gemv_topk else None
+        x_bytes += logits.numel() * 4 if logits is not None else 0
 
-    def gemm1():
-        return [g1(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
+        def gemm1():
+            return [moe_gemv1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act, logits=logits) for w in ws]
+    else:
+        def gemm1():
+            return [moe_gemm1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
 
     def gemm2():
         return [g2(st.act, r, w, cfg, out=y_out) for w in ws]

@@ -707,6 +707,7 @@ def test_benchmark_smoke(monkeypatch):
     bench.print_table(rows)
     assert rows and all("error" not in r and r["ms"] > 0 for r in rows)
     assert {"gemm1+swiglu", "gemm2", "moe_forward", "route", "combine"} == {r["kernel"] for r in rows}
+    assert {1, 3} == {r["tokens"] for r in rows}  # T=1: gemv1 taking its top-k from the logits
 
 
 # --- GPU: real gpt-oss-20b shapes in bf16 ----------------------------------------------------------
