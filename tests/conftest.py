@@ -23,6 +23,13 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_user_config(monkeypatch, tmp_path_factory):
+    """The developer's own ~/.config/gptoss/config.toml must not change what the CLI tests see."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "no-xdg-config"))
+    monkeypatch.delenv("GPTOSS_CONFIG", raising=False)
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"

@@ -10,7 +10,9 @@ import os
 import sys
 import traceback
 
-from . import errors
+from rich.markup import escape
+
+from . import config_file, errors
 from .app import app
 from .console import make_ui
 
@@ -19,6 +21,7 @@ from . import download as _download  # noqa: E402,F401
 from . import run as _run  # noqa: E402,F401
 from . import chat as _chat  # noqa: E402,F401
 from . import bench as _bench  # noqa: E402,F401
+from . import config_cmd as _config_cmd  # noqa: E402,F401
 
 
 def _debug_requested(argv: list[str]) -> bool:
@@ -54,8 +57,13 @@ def _invoke(args: list[str]) -> int:
 
     exit_types, abort_types, click_errors = _click_exceptions()
     command = typer_command()
+    settings = None
     try:
-        result = command.main(args=args, prog_name="gptoss", standalone_mode=False)
+        # `gptoss config` reports on the file itself, so a broken one must not stop it here.
+        if config_file.command_name(args) != "config":
+            settings = config_file.load(command)
+        result = command.main(args=args, prog_name="gptoss", standalone_mode=False,
+                              default_map=settings.default_map if settings else None)
         return result if isinstance(result, int) else errors.OK
     except exit_types as e:
         return e.exit_code
@@ -63,9 +71,14 @@ def _invoke(args: list[str]) -> int:
         return errors.INTERRUPTED
     except click_errors as e:
         e.show()
+        hint = config_file.value_hint(settings, command, args, _flag(getattr(e, "param_hint", None)),
+                                      getattr(e, "param", None))
+        if hint:
+            make_ui().err.print(f"[dim]hint: {escape(hint)}[/]", soft_wrap=True)
         return errors.USAGE
     except errors.UsageError as e:
-        make_ui().error(str(e), e.hint)
+        flag = _flag(str(e))
+        make_ui().error(str(e), config_file.value_hint(settings, command, args, flag) or e.hint)
         return errors.USAGE
     except GptossError as e:
         _report(args, str(e), e.hint)
@@ -78,6 +91,14 @@ def _invoke(args: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - the last line of defence for the user
         _report(args, f"internal error: {type(e).__name__}: {e}", "run again with --debug and report the traceback")
         return errors.ERROR
+
+
+def _flag(text) -> str | None:
+    """The option an error message or click param hint starts with ("--effort: ...", "effort must
+    be ...", "'--color'") as "--effort"; config_file.value_hint ignores words that name no option."""
+    words = text.replace(":", " ").split() if isinstance(text, str) else []
+    word = words[0].strip("'\"").split("/")[0].lstrip("-") if words else ""
+    return f"--{word}" if word.replace("-", "").replace("_", "").isalpha() else None
 
 
 def _report(args: list[str], message: str, hint: str) -> None:

@@ -70,7 +70,7 @@ def bench(
     from ..runtime.benchmark import BenchConfig
 
     ui: Ui = ctx.obj
-    spec = _model_spec(model_arg, model)
+    spec = _model_spec(model_arg, model, _typed(ctx, "model"))
     _check_effort(effort)
     try:
         config = BenchConfig(parse_int_list(batch, "--batch"), input_len, output_len, warmup, repeat, seed,
@@ -82,10 +82,19 @@ def bench(
     _emit(ui, report, config, json_file, csv_file)
 
 
-def _model_spec(model_arg: str | None, model: str | None) -> str | None:
-    if model_arg and model and model_arg != model:
+def _model_spec(model_arg: str | None, model: str | None, model_typed: bool) -> str | None:
+    """The positional model wins over a --model that came from GPTOSS_MODEL or the config file;
+    two different models typed on the command line are a mistake."""
+    if model_arg and model and model_arg != model and model_typed:
         raise UsageError(f"two models given: {model_arg} and --model {model}", "give the model once")
     return model_arg or model
+
+
+def _typed(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was given on the command line (not its environment variable, the
+    config file or its default)."""
+    source = ctx.get_parameter_source(name)
+    return getattr(source, "name", "") == "COMMANDLINE"
 
 
 def _check_effort(effort: str) -> None:
