@@ -273,13 +273,13 @@ def _kernels(st: _Setup, variant):
     y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
         torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
-    g2 = moe_gemv2 if cfg.gemv else moe_gemm2
+    g2, logit_bytes = (moe_gemv2 if cfg.gemv else moe_gemm2), 0
     if cfg.gemv:
         # With gemv_topk every gemv1 program takes its slot's top-k from the router logits, as
         # moe_forward runs it. Until session 19 this row left that prologue out, and 8-column
         # programs were 1.5 us faster in it while moe_forward was 1.1 us slower (not yet re-timed).
         logits = st.logits.float() if cfg.gemv_topk else None
-        x_bytes += logits.numel() * 4 if logits is not None else 0
+        logit_bytes = logits.numel() * 4 if logits is not None else 0
 
         def gemm1():
             return [moe_gemv1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act, logits=logits) for w in ws]
@@ -296,7 +296,7 @@ def _kernels(st: _Setup, variant):
                 for w in ws]  # fmt: skip
 
     return [
-        ("gemm1+swiglu", cfg, gemm1, layers, w1_bytes + x_bytes + act_bytes, gemm1_flops),
+        ("gemm1+swiglu", cfg, gemm1, layers, w1_bytes + x_bytes + logit_bytes + act_bytes, gemm1_flops),
         ("gemm2", cfg, gemm2, layers, w2_bytes + act_bytes + y_out.numel() * y_out.element_size(), gemm2_flops),
         ("moe_forward", cfg, forward, layers, w1_bytes + w2_bytes + router_bytes + 2 * x_bytes,
          gemm1_flops + gemm2_flops + router_flops),

@@ -23,7 +23,7 @@ from rich.table import Table
 from .app import app
 from .console import Ui
 from .errors import UsageError
-from .options import DEFAULT_EFFORT, EffortOpt, ModelOpt, check_effort
+from .options import DEFAULT_EFFORT, EffortOpt, ModelOpt, check_effort, option_typed
 
 ModelArg = Annotated[str | None, typer.Argument(
     metavar="MODEL", show_default=False, help="Same as --model (20b, 120b, a directory, random:20b, ...).")]
@@ -70,7 +70,7 @@ def bench(
     from ..runtime.benchmark import BenchConfig
 
     ui: Ui = ctx.obj
-    spec = _model_spec(model_arg, model, _typed(ctx, "model"))
+    spec = _model_spec(model_arg, model, option_typed(ctx, "model"))
     _check_effort(effort)
     try:
         config = BenchConfig(parse_int_list(batch, "--batch"), input_len, output_len, warmup, repeat, seed,
@@ -88,13 +88,6 @@ def _model_spec(model_arg: str | None, model: str | None, model_typed: bool) -> 
     if model_arg and model and model_arg != model and model_typed:
         raise UsageError(f"two models given: {model_arg} and --model {model}", "give the model once")
     return model_arg or model
-
-
-def _typed(ctx: typer.Context, name: str) -> bool:
-    """Whether option `name` was given on the command line (not its environment variable, the
-    config file or its default)."""
-    source = ctx.get_parameter_source(name)
-    return getattr(source, "name", "") == "COMMANDLINE"
 
 
 def _check_effort(effort: str) -> None:

@@ -32,6 +32,7 @@ from .options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    option_typed,
 )
 
 # Flags that map 1:1 onto ChatSettings fields (so explicit ones can override a resumed chat's).
@@ -132,17 +133,10 @@ def _repl():
 
 def split_model_argument(ctx: typer.Context, model: str | None, words: list[str]) -> tuple[str | None, list[str]]:
     """`gptoss chat 20b "q"`: the first word is the model when -m was not typed and it names one."""
-    from_flag = model is not None and _typed(ctx, "model", env=False)
+    from_flag = model is not None and option_typed(ctx, "model")
     if words and not from_flag and looks_like_model(words[0]):
         return words[0], words[1:]
     return model, words
-
-
-def _typed(ctx: typer.Context, name: str, env: bool) -> bool:
-    """Whether the user gave this option (on the command line, or also through its env var)."""
-    source = ctx.get_parameter_source(name)
-    # Compared by name: typer may vendor its own copy of click's ParameterSource.
-    return source is not None and source.name in (("COMMANDLINE", "ENVIRONMENT") if env else ("COMMANDLINE",))
 
 
 def looks_like_model(word: str) -> bool:
@@ -195,7 +189,7 @@ def _resume(ctx: typer.Context, ui, session, store, ref: str | None, flags) -> N
         raise GptossError("there is no saved conversation to continue",
                           f"conversations are autosaved in {store.root}; start one with `gptoss chat`")
     session.load(path)
-    explicit = {name: getattr(flags, name) for name in _SETTING_FLAGS if _typed(ctx, name, env=True)}
+    explicit = {name: getattr(flags, name) for name in _SETTING_FLAGS if option_typed(ctx, name, env=True)}
     session.settings = replace(session.settings, **explicit)
     exchanges = sum(1 for m in session.messages if m.role == "user")
     ui.note(f"continuing {path.stem} ({exchanges} exchange(s))")

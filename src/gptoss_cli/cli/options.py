@@ -29,6 +29,14 @@ EFFORTS = ("low", "medium", "high")
 DEFAULT_EFFORT = "medium"
 
 
+def option_typed(ctx: typer.Context, name: str, env: bool = False) -> bool:
+    """Whether the user gave option `name`: on the command line, or with `env` also through its
+    environment variable (not the config file or the default)."""
+    source = ctx.get_parameter_source(name)
+    # Compared by name: typer may vendor its own copy of click's ParameterSource.
+    return source is not None and source.name in (("COMMANDLINE", "ENVIRONMENT") if env else ("COMMANDLINE",))
+
+
 def check_effort(effort: str) -> str:
     """Validate --effort / GPTOSS_EFFORT (typer cannot express a choice with an env default)."""
     if effort not in EFFORTS:
