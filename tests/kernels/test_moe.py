@@ -668,7 +668,8 @@ def test_pick_config_regimes():
 
 
 def test_pick_config_decode_tile_changes():
-    # 32 experts: gemm2 alone takes K steps of 128 without a register cap at 5-7 rows per expert, and
+    # 32 experts: gemm2 alone takes K steps of 128 without a register cap at 5-7 rows per expert, is
+    # split in two along K at 8-15, and
     # from 16 rows per expert both take 32-row tiles without a cap; elsewhere (and at 128 experts)
     # 16-row tiles, K steps of 64, a cap of 128.
     def tiles(tokens, experts):
@@ -679,6 +680,9 @@ def test_pick_config_decode_tile_changes():
     for tokens in (2, 8, 16, 32, 64, 96):
         assert tiles(tokens, 32) == (16, short, short), tokens
     assert tiles(48, 32) == (16, short, long)
+    # gemm2 split along K at 8-15 rows per expert (32 experts) and only there.
+    assert [pick_config(t, 32, 4).split_k for t in (32, 48, 64, 96, 120, 128)] == [1, 1, 2, 2, 2, 1]
+    assert pick_config(64, 128, 4).split_k == 1
     assert tiles(128, 32) == tiles(256, 32) == (32, (64, 0), (64, 0))
     assert all(tiles(t, 128) == (16, short, short) for t in (2, 8, 16, 32, 48, 64, 256))
     plain = pick_config(64, 32, 4)

@@ -201,11 +201,17 @@ def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
       13,730 -> 14,410 output tok/s.
     - 5 to 7 rows per expert: gemm2 takes K steps of 128 without a cap (142 registers). Engine, 20b
       batch 48: gemm2 74.5 -> 63.9 us per layer, step 6.209 -> 5.929 ms; at batch 64 (8 rows) it was
-      2.2 us slower, at batches 8-16 (with gemm1 too) 3-10 % slower."""
+      2.2 us slower, at batches 8-16 (with gemm1 too) 3-10 % slower.
+    - 8 to 15 rows per expert: gemm2 split in two along K. Its 736 programs (32 experts x 23 column
+      tiles) are 0.62 of a wave; 1,472 fill more of the SMs. bench_moe, 20b T=64: gemm2 73.0 -> 57.6
+      us (session 19); engine, batch 64: 10,153 -> 10,442 tok/s (session 20). At 2-4 rows per expert
+      the combine's second slab cost more than it saved (T=16/32 moe_forward +1.7 %)."""
     if num_experts > 32:
         return {}
     if per_expert >= 16:
         return {"block_m": 32, "maxnreg": 0}
+    if 8 <= per_expert < 16:
+        return {"split_k": 2}
     if 5 <= per_expert < 8:
         return {"block_k2": 128, "maxnreg2": 0}
     return {}
@@ -225,9 +231,10 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         # 128 registers: 9 programs per SM, no spills (offline sm_90). At <= 1 row per expert gemm2
         # is split in two along K for more programs in flight (20b T=4: 25.8 -> 21.6 us; 120b T=8:
         # 56.7 -> 39.4).
-        tiles = {"block_m": 16, "maxnreg": 128} | _decode_tile_changes(per_expert, num_experts)
+        tiles = {"block_m": 16, "maxnreg": 128, "split_k": 2 if per_expert <= 1 else 1} \
+            | _decode_tile_changes(per_expert, num_experts)
         return MoeConfig("decode", block_n1=64, block_n2=128, block_k=64, num_warps=2, num_stages=3, asm_dequant=True,
-                         split_k=2 if per_expert <= 1 else 1, fused_router=num_tokens <= ROUTER_MAX_TOKENS, **tiles)
+                         fused_router=num_tokens <= ROUTER_MAX_TOKENS, **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty
