@@ -251,9 +251,8 @@ def _decode_min_chunk():
         "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n, "NUM_SPLITS": 32,
         "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "PDL": True}, tiles.num_warps, tiles.num_stages)
     compile_sm90(da._decode_reduce_kernel, {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*bf16",
-                                            "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
-                 {"HEAD_DIM": 64, "NUM_SPLITS": 33, "BLOCK_S": 64, "MIN_CHUNK": tiles.min_chunk,
-                  "BLOCK_N": tiles.block_n, "PDL": True})
+                                            "out_ptr": "*bf16"},
+                 {"HEAD_DIM": 64, "NUM_SPLITS": 33, "BLOCK_S": 64, "PDL": True})
 
 
 def _rope_store():

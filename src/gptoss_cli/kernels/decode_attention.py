@@ -6,7 +6,8 @@ One program owns one (sequence, KV head, split): the G = H / Hkv query heads of 
 the rows of its tl.dot tile, padded to 16 rows (the smallest tensor-core M), so each K/V byte is
 read once. With several splits the key range is cut into `num_splits` equal chunks (at least
 `DecodeTiles.min_chunk` keys each, so short rows leave trailing splits empty); each writes an
-unnormalised partial (acc, running max m, sum l) and a small reduce kernel folds them with the sink:
+unnormalised partial (acc, running max m, sum l; a split without keys writes m = sink, l = 0,
+acc = 0) and a small reduce kernel folds all of them with the sink:
     out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M))   (base-2 logits)
 num_splits is a host-side static choice (CUDA graphs), never derived from device data.
 """
@@ -64,7 +65,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: 
 def _key_chunks(seq_len, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     """(first key, keys per split) of one row. Chunks follow the row's real length, so short rows
     leave trailing splits empty; an empty split still writes a neutral partial (m = sink, l = 0,
-    acc = 0), and the reduce reads only the splits that hold keys."""
+    acc = 0), which the reduce reads like the others."""
     start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     chunk = tl.cdiv(tl.maximum(tl.cdiv(seq_len - start, NUM_SPLITS), MIN_CHUNK), BLOCK_N) * BLOCK_N
     return start, chunk
@@ -121,26 +122,25 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_ml_ptr, sinks_ptr, seq_lens_ptr, out_ptr, window, num_heads, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    part_o_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_heads, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (sequence, query head): all partials in one masked load, only the splits
-    that hold keys (a loop over every split made this kernel cost more than the split kernel)."""
+    """One program per (sequence, query head): all partials in one masked load (a loop over the
+    splits made this kernel cost more than the split kernel). Splits without keys hold neutral
+    partials (m = sink, l = 0, acc = 0), which add exact zeros, so every split is read: the loads
+    do not wait for the row's key count first."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C  # a weight: before the wait
     wait_for_previous(PDL)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
-    live = offs_s < tl.cdiv(seq_len - start, chunk)
+    live = offs_s < NUM_SPLITS
     rows = (seq * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + rows * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + rows * 2 + 1, mask=live, other=0.0)
     # Every partial max is >= the sink (splits start from it); an idle row has M = sink.
     big_m = tl.maximum(tl.max(m, axis=0), sink)
-    w = tl.exp2(m - big_m)  # 0 for splits without keys
+    w = tl.exp2(m - big_m)  # multiplies l = 0 and acc = 0 for splits without keys
     den = tl.sum(w * l, axis=0) + tl.exp2(sink - big_m)
     offs_d = tl.arange(0, HEAD_DIM)
     o = tl.load(part_o_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
@@ -215,8 +215,8 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_o, part_ml, sinks, seq_lens, out, window, num_heads, out.stride(0), out.stride(1),
+            part_o, part_ml, sinks, out, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            MIN_CHUNK=min_chunk, BLOCK_N=tiles.block_n, num_warps=4, **pdl_launch(pdl_enabled(q)),
+            num_warps=4, **pdl_launch(pdl_enabled(q)),
         )
     return out
