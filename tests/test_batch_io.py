@@ -168,7 +168,9 @@ def test_unknown_fields_become_notes():
     assert line.error is None
     assert set(line.notes) == {"unknown field body.foo (ignored)", "unknown field extra (ignored)"}
     stop = parse({"prompt": "x", "stop": ["\n"]})
-    assert any(n.startswith("stop") for n in stop.notes)
+    assert stop.notes == () and stop.request.stop == ("\n",)  # supported since session 20
+    assert parse({"text": "x", "stop": "\n\n"}).request.stop == ("\n\n",)
+    assert parse({"prompt": "x", "stop": None}).request.stop is None  # the --stop default applies
 
 
 # ---- pre-pass ----------------------------------------------------------------------------------

@@ -124,8 +124,13 @@ class ScriptEngine(Engine):
 
     def abort(self, request_id):
         if self.active and self.active[0].request_id == request_id:
+            out = self.active[0]
             self.aborted.append(request_id)
             self.active = None
+            out.finish_reason, out.timings.finished = "abort", time.perf_counter()
+            self.seen.append(out.prompt_token_ids + out.token_ids)
+            return out
+        return None
 
     def has_unfinished(self):
         return self.active is not None
@@ -193,6 +198,23 @@ def test_turn_streams_channels_and_resends_only_final_answers(tok):
     assert session.last_stats.cached_prompt_tokens >= len(engine.prompts[0])
     # Three turns later the prefix of every earlier prompt still holds.
     assert session.render()[: len(engine.prompts[1])] == engine.prompts[1]
+
+
+def test_stop_sequence_ends_the_answer_and_the_request(tok):
+    script = reply(tok, "Think STOP here.", "The answer STOP and more.")
+    session, engine = make_session(tok, [script, reply(tok, None, "Next.")], stop=("STOP", "zz"))
+    events = list(session.start_turn("hi"))
+    answer = "".join(e.text for e in events if isinstance(e, TextDelta) and e.channel == "final")
+    reasoning = "".join(e.text for e in events if isinstance(e, TextDelta) and e.channel == "analysis")
+    assert (answer, reasoning) == ("The answer ", "Think STOP here.")  # reasoning is never matched
+    result = events[-1].result
+    assert result.committed and result.answer == "The answer " and result.stats.finish_reason == "stop"
+    # The engine stopped at the token that completed "STOP": nothing after it was generated.
+    cut = next(i for i in range(len(script)) if "The answer STOP" in tok.decode(script[:i + 1]))
+    assert engine.aborted == ["req-0"] and result.stats.generated_tokens == cut + 1
+    assert session.messages[-1] == Message("assistant", "The answer ", channel="final")
+    list(session.start_turn("again"))  # the next prompt holds the answer as it was cut
+    assert "<|channel|>final<|message|>The answer <|end|>" in tok.decode(engine.prompts[-1])
 
 
 def test_tool_call_is_displayed_and_never_executed(tok):
@@ -583,6 +605,8 @@ def test_one_shot_routes_flags(fake, tok, tmp_path):
     text = tok.decode(fake.engine.prompts[0])
     assert "Reasoning: high" in text and "# Instructions\n\nSpeak like a pirate." in text
     assert "<|start|>user<|message|>What is up?<|end|>" in text
+    stopped = run_cli(["chat", "-m", "x", "--stop", " answer", "--no-stats", "q"])
+    assert stopped.exit_code == 0 and stopped.stdout == "The\n" and fake.engine.aborted
 
 
 def test_first_word_names_the_model(fake):
@@ -611,6 +635,8 @@ def test_piped_stdin_is_prepended(fake, tok):
     (["--temperature", "-1", "q"], "temperature"),
     ([], "nothing to ask"),
     (["--continue", "--resume", "x", "q"], "cannot be combined"),
+    (["--stop", "", "q"], "--stop"),
+    (["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e", "q"], "at most 4"),
 ])
 def test_usage_errors(fake, args, needle):
     result = run_cli(["chat", "-m", "x", *args], input="")

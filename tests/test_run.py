@@ -244,6 +244,65 @@ def test_line_settings_override_flags(tmp_path, fake, tokenizer):
     assert seeds[0] == 9 and seeds[1] != seeds[2] and recorded[0] == 9 and recorded[2] == seeds[2]
 
 
+def test_stop_sequences_cut_the_answer_and_end_the_request_early(tmp_path, fake, tokenizer):
+    # The scripted answer is "answer N" after N-token " x" reasoning ("wait N"); raw text gets " the end".
+    src = write_jsonl(tmp_path / "in.jsonl",
+                      {"id": "flag", "prompt": "wait 3"},  # --stop " " applies
+                      {"id": "line", "prompt": "y", "stop": ["wer", "zzz"]},  # its own list replaces --stop
+                      {"id": "none", "prompt": "z", "stop": []},  # an empty list: no stop at all
+                      {"id": "reason", "prompt": "wait 2", "stop": "x"},  # reasoning is never matched
+                      {"id": "text", "text": "Once", "stop": "end"},
+                      openai_line("oa", stop="swer"))
+    out = tmp_path / "out.jsonl"
+    result = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--stop", " ", "--token-ids")
+    assert result.exit_code == 0, result.stderr
+    flag, line, none, reason, text, oa = read_records(out)
+    assert (flag["output"], flag["finish_reason"]) == ("answer", "stop")
+    assert flag["reasoning"] == " x x x"  # the analysis keeps its spaces: only the answer is cut
+    assert (line["output"], line["finish_reason"]) == ("ans", "stop")
+    assert none["output"].startswith("answer ") and none["finish_reason"] == "stop"
+    assert reason["output"].startswith("answer ") and reason["reasoning"] == " x x"
+    assert (text["output"], text["finish_reason"]) == (" the ", "stop")
+    choice = oa["response"]["body"]["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("an", "stop")
+    engine = fake.engines[0]
+    # Stopped requests were aborted as soon as the stop string was complete: no <|return|> came.
+    assert sorted(engine.aborted) == ["line-1", "line-2", "line-5", "line-6"]
+    assert all(RETURN not in r.get("token_ids", choice["token_ids"]) for r in (flag, line, text))
+    assert RETURN in none["token_ids"] and RETURN in reason["token_ids"]
+    assert flag["usage"]["completion_tokens"] == len(flag["token_ids"])
+
+
+@pytest.mark.parametrize("stop,message", [(["a", "b", "c", "d", "e"], "at most 4"), ([""], "non-empty"),
+                                          (3, "non-empty string")])
+def test_bad_stop_on_a_line_is_that_lines_error(tmp_path, fake, stop, message):
+    src = write_jsonl(tmp_path / "in.jsonl", {"id": "bad", "prompt": "x", "stop": stop}, {"id": "ok", "prompt": "y"})
+    result = run(tmp_path, src, "-o", tmp_path / "out.jsonl", "--model", "random:tiny")
+    assert result.exit_code == 3
+    bad, ok = read_records(tmp_path / "out.jsonl")
+    assert bad["error"]["code"] == "invalid_request" and message in bad["error"]["message"] and ok["status"] == "ok"
+
+
+def test_bad_stop_flag_is_a_usage_error(tmp_path, no_model):
+    src = write_jsonl(tmp_path / "in.jsonl", {"prompt": "x"})
+    result = run(tmp_path, src, "-o", tmp_path / "out.jsonl", "--stop", "", "--model", "random:tiny")
+    assert result.exit_code == 2 and "--stop" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_resume_keeps_the_stop_flag(tmp_path, fake):
+    src = write_jsonl(tmp_path / "in.jsonl", {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"})
+    out = tmp_path / "out.jsonl"
+    assert run(tmp_path, src, "-o", out, "--model", "random:tiny", "--limit", "1", "--stop", " ").exit_code == 0
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["sampling"]["stop"] == [" "]
+    changed = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--resume")
+    assert changed.exit_code == 2 and "stop [' '] → None" in changed.stderr
+    assert run(tmp_path, src, "-o", out, "--model", "random:tiny", "--resume", "--stop", " ").exit_code == 0
+    assert [r["output"] for r in read_records(out)] == ["answer", "answer"]
+    # Without --stop the sidecar has no stop key, as before the option existed.
+    assert run(tmp_path, src, "-o", tmp_path / "plain.jsonl", "--model", "random:tiny").exit_code == 0
+    assert "stop" not in json.loads((tmp_path / "plain.jsonl.meta.json").read_text())["sampling"]
+
+
 def test_stdin_to_stdout(tmp_path, fake):
     data = "\n".join(json.dumps({"id": f"s{i}", "prompt": "p"}) for i in range(3)) + "\n"
     result = run(tmp_path, "-", "-o", "-", "--model", "random:tiny", input=data)

@@ -16,6 +16,7 @@ from typing import IO, Any
 
 from ..runtime.api import SamplingParams
 from ..runtime.harmony import DeveloperConfig, Message, ResponseFormat, from_openai_messages, tool_from_openai
+from ..runtime.stop_strings import check_stops
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 CHAT_URL = "/v1/chat/completions"
@@ -54,6 +55,7 @@ class RequestSpec:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
     effort: str | None = None
     model: str | None = None
+    stop: tuple[str, ...] | None = None  # the line's stop sequences; None: the command line's --stop
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ def _parse_request(obj: dict[str, Any], kind: str, notes: list[str]) -> RequestS
         text = obj.get("text")
         if not isinstance(text, str) or not text:
             raise _Invalid("invalid_request", "`text` must be a non-empty string", "text")
-        return RequestSpec("text", text=text, sampling=_sampling(obj, notes))
+        return RequestSpec("text", text=text, sampling=_sampling(obj, notes), stop=_stop(obj))
     if kind == "prompt":
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
@@ -237,7 +239,7 @@ def _chat_request(src: dict[str, Any], kind: str, messages: Any, developer: Any,
         dev = DeveloperConfig(dev.instructions if dev else None, dev.tools if dev else (), formats)
     model = src.get("model")
     return RequestSpec(kind, tuple(harmony_messages), dev, None, _sampling(src, notes), effort,
-                       model if isinstance(model, str) else None)
+                       model if isinstance(model, str) else None, _stop(src))
 
 
 def _tools(src: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -295,13 +297,22 @@ def _sampling(src: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         out["max_tokens"] = _integer(src[limit], limit)
     if src.get("repetition_penalty") not in (None, 1, 1.0):
         notes.append("repetition_penalty (not supported; ignored)")
-    if src.get("stop") not in (None, [], ""):
-        notes.append("stop (stop sequences are not supported yet; ignored)")
     try:
         SamplingParams(**out)
     except ValueError as e:
         raise _Invalid("invalid_sampling", str(e), _param_named_in(str(e))) from None
     return out
+
+
+def _stop(src: dict[str, Any]) -> tuple[str, ...] | None:
+    """OpenAI's `stop`: a string or a list of up to 4; null (or absent) leaves the --stop default."""
+    raw = src.get("stop")
+    if raw is None:
+        return None
+    try:
+        return check_stops([raw] if isinstance(raw, str) else raw if isinstance(raw, list) else [raw])
+    except ValueError as e:
+        raise _Invalid("invalid_request", f"stop: {e}", "stop") from None
 
 
 def _number(value: Any, key: str) -> float:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime.api import RequestOutput, SamplingParams
+from ..runtime.stop_strings import StopWatch
 from .batch_input import BatchLine, LineError
 from .batch_output import RecordContext, RecordOptions, Usage, error_record, ok_record, record_format
-from .batch_request import RunDefaults, effort_for, prompt_ids, sampling_for
+from .batch_request import RunDefaults, effort_for, prompt_ids, sampling_for, stop_for
 from .batch_result import chat_completion, text_completion
 
 
@@ -34,6 +35,8 @@ class Job:
     prompt: list[int] | None = None
     params: SamplingParams | None = None
     started: bool = False  # at least one token came back
+    stop: tuple[str, ...] = ()  # stop sequences
+    watch: StopWatch | None = None  # tells when the answer reached one of them (the runner aborts)
 
 
 def prepare(line: BatchLine, seq: int, settings: JobSettings, tokenizer) -> tuple[Job, LineError | None]:
@@ -46,7 +49,9 @@ def prepare(line: BatchLine, seq: int, settings: JobSettings, tokenizer) -> tupl
     effort = effort_for(spec, settings.defaults)
     params = sampling_for(spec, settings.defaults)
     ctx = RecordContext(line.custom_id, line.number, fmt, settings.model, effort, params.seed)
-    job = Job(seq, line, ctx, params=params)
+    job = Job(seq, line, ctx, params=params, stop=stop_for(spec, settings.defaults))
+    if job.stop:
+        job.watch = StopWatch(tokenizer, job.stop, harmony=spec.kind != "text")
     try:
         job.prompt = prompt_ids(spec, tokenizer, effort)
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -62,11 +67,11 @@ def failed_record(job: Job, error: LineError) -> dict:
 def finished_record(job: Job, output: RequestOutput, tokenizer, settings: JobSettings) -> dict:
     """The ok record for a request the engine finished."""
     ids = list(output.token_ids)
-    finish = output.finish_reason or "stop"
+    finish = output.finish_reason or "stop"  # "abort": the runner stopped it at a stop sequence
     if job.line.kind == "text":
-        completion = text_completion(tokenizer, ids, finish, job.params.stop_token_ids)
+        completion = text_completion(tokenizer, ids, finish, job.params.stop_token_ids, job.stop)
     else:
-        completion = chat_completion(tokenizer, ids, finish)
+        completion = chat_completion(tokenizer, ids, finish, job.stop)
     usage = Usage(len(output.prompt_token_ids), len(ids), completion.reasoning_tokens, output.cached_prompt_tokens)
     return ok_record(job.ctx, completion, usage, _timing(output), ids, settings.options)
 

@@ -21,12 +21,17 @@ _SEED_BITS = 53
 
 @dataclass
 class RunDefaults(SamplingSettings):
-    """The command line's sampling and effort defaults (recorded in the resume sidecar)."""
+    """The command line's sampling, effort and stop defaults (recorded in the resume sidecar)."""
 
     effort: str = "medium"
+    stop: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON keeps it: stop as a list, and left out when empty, so that sidecars written
+        before --stop existed still match a run without it."""
+        data = asdict(self)
+        stop = data.pop("stop")
+        return data | ({"stop": list(stop)} if stop else {})
 
 
 def effort_for(spec: RequestSpec, defaults: RunDefaults) -> str | None:
@@ -34,6 +39,11 @@ def effort_for(spec: RequestSpec, defaults: RunDefaults) -> str | None:
     if spec.kind == "text":
         return None
     return spec.effort or defaults.effort
+
+
+def stop_for(spec: RequestSpec, defaults: RunDefaults) -> tuple[str, ...]:
+    """The line's own stop sequences (an empty list: none), else --stop."""
+    return defaults.stop if spec.stop is None else spec.stop
 
 
 def sampling_for(spec: RequestSpec, defaults: RunDefaults) -> SamplingParams:

@@ -1,11 +1,13 @@
 """The `gptoss run` loop: keep the engine full, write each record when its last token arrives.
 
 Requests are submitted up to a window (all of a small file at once; continuous batching is the
-engine's business), then `engine.step()` is called until everything is done. The window counts
-records handed out but not yet written, so the ordered writer's buffer stays bounded too. A
-request the engine rejects (prompt longer than the context, …) becomes that line's error record
-and the others carry on. On a stop request, requests that have not produced a token yet are
-aborted (resume redoes them) and the rest finish; on a second one, everything is aborted.
+engine's business), then `engine.step()` is called until everything is done. A request whose
+answer reaches one of its stop sequences is aborted there and finished like the others. The
+window counts records handed out but not yet written, so the ordered writer's buffer stays
+bounded too. A request the engine rejects (prompt longer than the context, …) becomes that line's
+error record and the others carry on. On a stop request (Ctrl+C), requests that have not produced
+a token yet are aborted (resume redoes them) and the rest finish; on a second one, everything is
+aborted.
 """
 
 from __future__ import annotations
@@ -110,10 +112,16 @@ class BatchRunner:
         job.started = True
         self.outcome.out_tokens += 1
         self.progress.tokens(1)
+        output = event.output
         if event.finish_reason is None:
-            return
+            if job.watch is None or not job.watch.feed(event.token_id):
+                return
+            # The answer reached a stop sequence: no need to generate further (between steps).
+            output = self.engine.abort(event.request_id)
+            if output is None:
+                return
         del self._inflight[event.request_id]
-        self._finish(job, finished_record(job, event.output, self.tokenizer, self.settings), ok=True)
+        self._finish(job, finished_record(job, output, self.tokenizer, self.settings), ok=True)
 
     def _finish(self, job: Job, record: dict, ok: bool) -> None:
         self.writer.put(job.seq, record, ok)

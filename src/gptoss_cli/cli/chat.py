@@ -29,15 +29,17 @@ from .options import (
     MinPOpt,
     ModelOpt,
     SeedOpt,
+    StopOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    check_stop,
     option_typed,
 )
 
 # Flags that map 1:1 onto ChatSettings fields (so explicit ones can override a resumed chat's).
 _SETTING_FLAGS = ("effort", "developer", "reasoning", "temperature", "top_p", "top_k", "min_p", "seed",
-                  "max_tokens", "truncate", "raw", "stats")
+                  "max_tokens", "stop", "truncate", "raw", "stats")
 
 
 @app.command(no_args_is_help=False)
@@ -61,6 +63,7 @@ def chat(
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
     max_tokens: MaxTokensOpt = None,
+    stop: StopOpt = None,
     context: ContextOpt = None,
     truncate: Annotated[str, typer.Option(
         help="When the conversation outgrows the context: none (refuse) or oldest (drop the oldest exchanges).")
@@ -89,8 +92,8 @@ def chat(
     try:
         settings = ChatSettings(effort=effort, developer=read_developer(developer),
                                 reasoning=reasoning, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p, seed=seed, max_tokens=max_tokens, truncate=truncate, raw=raw,
-                                stats=stats)
+                                min_p=min_p, seed=seed, max_tokens=max_tokens, stop=check_stop(stop),
+                                truncate=truncate, raw=raw, stats=stats)
     except ValueError as e:
         raise UsageError(str(e), "see gptoss chat --help") from None
     if resume_latest and resume:

@@ -22,10 +22,10 @@ from .chat_session import (
     TurnResult,
     TurnStats,
     human_tokens,
-    is_answer_channel,
 )
 from .console import Ui
 from ..runtime.harmony import MessageEnd, MessageStart, TextDelta, ToolCall
+from ..runtime.stop_strings import is_answer_text
 
 REASONING_STYLE = "dim italic"
 _TAIL_LINES = 3  # lines of reasoning visible while it is folded
@@ -150,7 +150,7 @@ class TurnView:
         elif event.channel == "analysis":
             self.kind = "reasoning"
             self._start_reasoning()
-        elif is_answer_channel(event.channel):
+        elif is_answer_text(event.channel, event.recipient):
             self.kind = "answer"
             self._end_err_line()
         else:

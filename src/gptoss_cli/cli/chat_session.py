@@ -22,6 +22,7 @@ from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
+from ..runtime.stop_strings import StopFilter, StopWatch, check_stops, is_answer_text
 from ..runtime.harmony import (
     Conversation,
     DeveloperConfig,
@@ -56,8 +57,10 @@ class ChatSettings(SamplingSettings):
     truncate: str = "none"  # none | oldest
     raw: bool = False
     stats: bool = True
+    stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one completed
 
     def __post_init__(self) -> None:
+        self.stop = check_stops(self.stop)  # also a saved file's list
         check_choice("effort", self.effort, ("low", "medium", "high"))
         check_choice("reasoning", self.reasoning, REASONING_MODES)
         check_choice("truncate", self.truncate, TRUNCATE_MODES)
@@ -173,26 +176,32 @@ class Turn:
 
     def _run(self) -> Iterator[TurnEvent]:
         tok = self.session.tokenizer
-        parser = HarmonyStreamParser(tok)
+        stops = self.session.settings.stop
+        parser, cut = HarmonyStreamParser(tok), StopFilter(stops)
         tally = _Tally()
         raw = tok.stream_decoder()  # the raw view must not split UTF-8 characters either
         output = None
-        stream = self.session.engine.stream(self.prompt_ids, self.params)
+        # The engine ends the request at the token that completes a stop string (a watch of its own:
+        # it decides before this loop sees the token).
+        watch = StopWatch(tok, stops) if stops else None
+        until = (lambda event: watch.feed(event.token_id)) if watch else None
+        stream = self.session.engine.stream(self.prompt_ids, self.params, until=until)
         with closing(stream):
             for event in stream:
                 reasoning = tally.before(parser, event)
                 t = event.token_id
                 text = raw.flush() + tok.decode([t]) if tok.is_special(t) else raw.push(t)
                 yield RawToken(t, text, event.time, reasoning)
-                for harmony_event in parser.feed(event.token_id):
+                for harmony_event in cut.feed(parser.feed(event.token_id)):
                     tally.after(harmony_event, event.time)
                     yield harmony_event
                 if event.output is not None:
                     output = event.output
-        for harmony_event in parser.finish():
+        for harmony_event in [] if cut.stopped else cut.feed(parser.finish()):
             tally.after(harmony_event, None)
             yield harmony_event
-        self.result = self.session.finish_turn(self, parser, tally, output)
+        messages = list(parser.messages) + ([cut.message] if cut.stopped else [])
+        self.result = self.session.finish_turn(self, messages, tally, output)
         yield TurnDone(self.result)
 
 
@@ -219,7 +228,7 @@ class _Tally:
             if event.channel == "analysis":
                 self.reasoning_tokens += self.header_tokens
             self.header_tokens = 0
-        elif isinstance(event, TextDelta) and is_answer_channel(event.channel, event.recipient) \
+        elif isinstance(event, TextDelta) and is_answer_text(event.channel, event.recipient) \
                 and self.first_answer_time is None:
             self.first_answer_time = time
         elif isinstance(event, ParseError):
@@ -311,9 +320,9 @@ class ChatSession:
         return RequestError(f"the conversation needs {prompt} prompt + {reserve} reply tokens; "
                             f"the context is {limit}", hint, code="context_length_exceeded")
 
-    def finish_turn(self, turn: Turn, parser: HarmonyStreamParser, tally: _Tally, output) -> TurnResult:
-        """Stats, and the conversation update: called by the Turn once the engine is done."""
-        messages = list(parser.messages)
+    def finish_turn(self, turn: Turn, messages: list[Message], tally: _Tally, output) -> TurnResult:
+        """Stats, and the conversation update: called by the Turn once the engine is done, with the
+        messages the model wrote (the answer cut at a stop string)."""
         answer = "".join(m.content for m in messages if is_answer(m))
         token_ids = list(output.token_ids) if output is not None else []
         fallback = None
@@ -456,13 +465,8 @@ class ChatSession:
         return []
 
 
-def is_answer_channel(channel: str | None, recipient: str | None = None) -> bool:
-    """The final channel, or no channel at all (a model that skipped it still answered)."""
-    return channel in ("final", None) and recipient is None
-
-
 def is_answer(message: Message) -> bool:
-    return message.role == "assistant" and is_answer_channel(message.channel, message.recipient)
+    return message.role == "assistant" and is_answer_text(message.channel, message.recipient)
 
 
 def turn_starts(messages: list[Message]) -> list[int]:

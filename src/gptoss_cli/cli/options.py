@@ -22,6 +22,9 @@ MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p
 SeedOpt = Annotated[int | None, typer.Option(help="Random seed (per request); unset = random.", min=0)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
     "--max-tokens", "-n", help="Most tokens to generate, reasoning included; unset = up to the context.", min=1)]
+StopOpt = Annotated[list[str] | None, typer.Option(
+    "--stop", help="End the answer where this text first appears (the text is not kept); repeatable, up to 4. "
+                   "Reasoning is not matched.")]
 ContextOpt = Annotated[int | None, typer.Option(
     "--context", "-c", help="Context length in tokens (prompt + output); default: the model's 131072.", min=16)]
 
@@ -35,6 +38,16 @@ def option_typed(ctx: typer.Context, name: str, env: bool = False) -> bool:
     source = ctx.get_parameter_source(name)
     # Compared by name: typer may vendor its own copy of click's ParameterSource.
     return source is not None and source.name in (("COMMANDLINE", "ENVIRONMENT") if env else ("COMMANDLINE",))
+
+
+def check_stop(stop: list[str] | None) -> tuple[str, ...]:
+    """Validate --stop (at most 4 non-empty strings)."""
+    from ..runtime.stop_strings import check_stops  # the runtime stays unloaded for --help
+
+    try:
+        return check_stops(stop or ())
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--stop") from None
 
 
 def check_effort(effort: str) -> str:

@@ -15,15 +15,18 @@ from .options import (
     MinPOpt,
     ModelOpt,
     SeedOpt,
+    StopOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
     check_effort,
+    check_stop,
 )
 
 _EPILOG = (
     "Input lines: OpenAI Batch requests ({custom_id, method, url, body}), {\"messages\": [...]}, "
-    "{\"prompt\": ..., \"developer\": ...} or raw {\"text\": ...}; per-line sampling keys override the flags. "
+    "{\"prompt\": ..., \"developer\": ...} or raw {\"text\": ...}; per-line sampling keys (and stop) override "
+    "the flags. "
     "Exit codes: 0 all ok, 3 some records failed, 2 usage error, 1 fatal error, 130 interrupted."
 )
 
@@ -52,6 +55,7 @@ def run_command(
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    stop: StopOpt = None,
     context: ContextOpt = None,
     reasoning: Annotated[str, typer.Option("--reasoning", help="include or omit the reasoning (analysis) text.")] = "include",
     token_ids: Annotated[bool, typer.Option("--token-ids", help="Add the generated token ids to each record.")] = False,
@@ -67,7 +71,8 @@ def run_command(
     options = RunOptions(
         input=input, output=output, fmt=fmt, error_file=error_file, resume=resume or retry_errors,
         retry_errors=retry_errors, force=force, ordered=not unordered, window=max_concurrency, model=model,
-        defaults=RunDefaults(temperature, top_p, top_k, min_p, seed, max_tokens, check_effort(effort)),
+        defaults=RunDefaults(temperature, top_p, top_k, min_p, seed, max_tokens, check_effort(effort),
+                             check_stop(stop)),
         context=context, reasoning=reasoning, token_ids=token_ids, strict=strict, allow_failures=allow_failures,
         limit=limit,
     )

@@ -12,7 +12,7 @@ import math
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .config import ModelConfig
@@ -146,19 +146,32 @@ class Engine(ABC):
         return room if params.max_tokens is None else min(room, params.max_tokens)
 
     # ---- levels 2 and 3 ------------------------------------------------------------------
-    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Iterator[TokenEvent]:
-        """Generate for one request, yielding its tokens; closing the iterator aborts it."""
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               until: Callable[[TokenEvent], bool] | None = None) -> Iterator[TokenEvent]:
+        """Generate for one request, yielding its tokens; closing the iterator aborts it.
+        `until(event)`: the caller's own end (a stop string in the decoded text, say), asked of every
+        token the engine did not end the request with. When it says yes the request is aborted and
+        that token's event is the last, with finish_reason "stop" and the output so far."""
         rid = self.add_request(prompt_token_ids, params)
         done = False
         try:
             while not done:
                 for event in self.step():
                     if event.request_id == rid:
+                        if event.finish_reason is None and until is not None and until(event):
+                            event = self._end_early(event)
                         done = event.finish_reason is not None
                         yield event
         finally:
             if not done:
                 self.abort(rid)
+
+    def _end_early(self, event: TokenEvent) -> TokenEvent:
+        out = self.abort(event.request_id)
+        if out is None:  # the engine no longer knows it (cannot happen between steps)
+            return event
+        out.finish_reason = "stop"
+        return TokenEvent(event.request_id, event.token_id, event.index, event.time, "stop", out)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
         """Run many prompts together (continuous batching); outputs in prompt order."""
