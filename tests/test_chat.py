@@ -373,6 +373,18 @@ def test_set_validation(tok, name, text, ok):
         assert str(info.value)  # a message a user can read
 
 
+def test_set_stop_adds_unescaped_sequences_and_none_clears_them(tok):
+    session, _ = make_session(tok, [[200002]], stop=("END",))
+    session.set_value("stop", "\\n\\n")
+    session.set_value("stop", r"a\\nb")  # \\ is a backslash: a\nb stays literal
+    assert session.settings.stop == ("END", "\n\n", "a\\nb")
+    session.set_value("stop", "x")
+    with pytest.raises(ValueError, match="at most 4"):
+        session.set_value("stop", "y")
+    session.set_value("stop", "none")
+    assert session.settings.stop == ()
+
+
 # ---- persistence ---------------------------------------------------------------------------------
 
 def test_save_and_load_round_trip(tok, tmp_path):
@@ -458,9 +470,11 @@ def test_repl_slash_commands(tok):
     pytest.importorskip("prompt_toolkit")
     session, engine = make_session(tok, [reply(tok, None, "A1"), reply(tok, None, "A2"), reply(tok, None, "A3")])
     keys = ("/set temperature 0.5\r/set top_k many\r/effort high\r/reasoning loud\r/frobnicate\r"
-            "/developer Be brief.\rhello\r/show prompt\r/retry\r/undo\r/show context\r/stats off\r/exit\r")
+            "/developer Be brief.\rhello\r/show prompt\r/retry\r/undo\r/show context\r/stats off\r"
+            "/set stop \\n\\n\r/show settings\r/exit\r")
     code, out, err = run_repl_with(session, keys)
     assert code == 0
+    assert 'stop = "\\n\\n"' in err and 'stop         "\\n\\n"' in out
     assert "temperature = 0.5" in err and "top_k must be a whole number" in err
     assert "effort = high" in err and "reasoning must be one of show, collapse, hide" in err
     assert "unknown command /frobnicate" in err

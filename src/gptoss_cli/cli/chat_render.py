@@ -304,11 +304,17 @@ def settings_text(session: ChatSession) -> str:
         ("temperature", f"{s.temperature:g}"), ("top_p", f"{s.top_p:g}"), ("top_k", str(s.top_k or "off")),
         ("min_p", f"{s.min_p:g}"), ("seed", "random" if s.seed is None else str(s.seed)),
         ("max_tokens", "up to the context" if s.max_tokens is None else str(s.max_tokens)),
+        ("stop", stops_text(s.stop)),
         ("context", str(session.context_limit)), ("truncate", s.truncate),
         ("raw", "on" if s.raw else "off"), ("stats", "on" if s.stats else "off"),
         ("developer", "(none)" if not s.developer else _one_line(s.developer)),
     ]
     return "\n".join(f"{name:<12} {value}" for name, value in rows)
+
+
+def stops_text(stops: tuple[str, ...]) -> str:
+    """Stop sequences as typed with /set stop (JSON string quoting: newlines show as \\n)."""
+    return ", ".join(json.dumps(s, ensure_ascii=False) for s in stops) or "(none)"
 
 
 def context_text(session: ChatSession) -> str:

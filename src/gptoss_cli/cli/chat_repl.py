@@ -24,7 +24,7 @@ from prompt_toolkit.output import ColorDepth
 from ..runtime.errors import GptossError
 from . import errors
 from .chat_keys import interrupt_pending
-from .chat_render import ChatRenderer, context_text, model_text, settings_text, toolbar_text
+from .chat_render import ChatRenderer, context_text, model_text, settings_text, stops_text, toolbar_text
 from .chat_session import REASONING_MODES, SETTABLE, ChatSession, check_choice
 from .chat_store import ChatStore, make_private_dir, touch_private
 from .console import Ui
@@ -74,12 +74,12 @@ def _set(session: ChatSession, out: ChatRenderer, arg: str) -> None:
         out.ui.error(str(e), f"usage: /set {{{','.join(SETTABLE)}}} VALUE")
         return
     shown = getattr(session.settings, name)
-    out.note(f"{name} = {'default' if shown is None else shown}")
+    out.note(f"{name} = {stops_text(shown) if name == 'stop' else 'default' if shown is None else shown}")
 
 
 def _example(name: str) -> str:
     return {"temperature": "0.7", "top_p": "0.95", "top_k": "40", "min_p": "0.05", "seed": "42",
-            "max_tokens": "2048", "context": "8192"}.get(name, "VALUE")
+            "max_tokens": "2048", "stop": "\\n\\n", "context": "8192"}.get(name, "VALUE")
 
 
 def _effort(session: ChatSession, out: ChatRenderer, arg: str) -> None:
@@ -201,7 +201,8 @@ def _exit(session: ChatSession, out: ChatRenderer, arg: str) -> str:
 
 COMMANDS: dict[str, Command] = {
     "/help": Command(_help, "/help", "this list"),
-    "/set": Command(_set, "/set NAME VALUE", "temperature, top_p, top_k, min_p, seed, max_tokens, context",
+    "/set": Command(_set, "/set NAME VALUE", "temperature, top_p, top_k, min_p, seed, max_tokens, stop (adds one; "
+                    "none clears), context",
                     SETTABLE + ("effort", "reasoning")),
     "/effort": Command(_effort, "/effort low|medium|high", "reasoning effort", ("low", "medium", "high")),
     "/reasoning": Command(_reasoning, "/reasoning show|collapse|hide", "how reasoning is displayed", REASONING_MODES),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -43,7 +44,8 @@ DEFAULT_REPLY_RESERVE = 1024  # tokens kept free for the reply when --max-tokens
 SAVE_FORMAT = "gptoss-chat"
 SAVE_VERSION = 1
 # What `/set NAME VALUE` may change (see parse_setting for the value types).
-SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "context")
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "context")
+_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\\\": "\\"}  # what `/set stop` unescapes
 
 
 @dataclass
@@ -75,6 +77,11 @@ class ChatSettings(SamplingSettings):
     def from_dict(cls, data: dict) -> ChatSettings:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t and \\\\ in typed text as the characters they name (nothing else changes)."""
+    return re.sub(r"\\[nt\\]", lambda m: _ESCAPES[m.group(0)], text)
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -396,7 +403,12 @@ class ChatSession:
         self.conversation_id, self.created = new_conversation_id(), now_text()
 
     def set_value(self, name: str, text: str) -> None:
-        """`/set NAME VALUE`; ValueError with a user-facing message when the value is bad."""
+        """`/set NAME VALUE`; ValueError with a user-facing message when the value is bad.
+        `/set stop TEXT` adds a stop sequence (\\n and \\t typed as such), `/set stop none` clears them."""
+        if name == "stop":
+            added = () if text.lower() in ("none", "off") else (unescape(text),)
+            self.settings = replace(self.settings, stop=(self.settings.stop + added) if added else ())
+            return
         value = parse_setting(name, text)
         if name == "context" and value is not None and value > self.engine.max_context:
             raise ValueError(f"the model was loaded with a {self.engine.max_context}-token context; "
