@@ -623,6 +623,48 @@ def test_one_shot_routes_flags(fake, tok, tmp_path):
     assert stopped.exit_code == 0 and stopped.stdout == "The\n" and fake.engine.aborted
 
 
+SCHEMA = {"title": "city facts", "type": "object", "properties": {"pop": {"type": "integer"}}, "required": ["pop"]}
+
+
+@pytest.mark.parametrize("answer,code,problem", [
+    ('{"pop": 5}', 0, None),
+    ("The answer.", 1, "not valid JSON"),
+    ('{"pop": "many"}', 1, "does not match the schema at pop: 'many' is not of type 'integer'"),
+])
+def test_json_schema_is_a_response_format_and_checks_the_answer(tok, monkeypatch, tmp_path, answer, code, problem):
+    loader = FakeLoader(tok, [reply(tok, None, answer)])
+    monkeypatch.setattr(cli_models, "load_model", loader)
+    schema = tmp_path / "facts.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = run_cli(["chat", "-m", "x", "--json-schema", str(schema), "--no-stats", "Oslo?"])
+    assert result.exit_code == code and result.stdout == answer + "\n"
+    assert (problem in result.stderr) if problem else "--json-schema" not in result.stderr
+    prompt = tok.decode(loader.engine.prompts[0])
+    assert "# Response Formats\n\n## city_facts\n\n" in prompt and '"required":["pop"]' in prompt
+
+
+def test_json_schema_without_jsonschema_checks_syntax_and_says_so(tok, monkeypatch, tmp_path):
+    from gptoss_cli.cli import json_answer
+
+    monkeypatch.setattr(json_answer, "schema_checker_available", lambda: False)
+    monkeypatch.setattr(cli_models, "load_model", FakeLoader(tok, [reply(tok, None, '{"pop": "many"}')]))
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = run_cli(["chat", "-m", "x", "--json-schema", str(schema), "--no-stats", "q"])
+    assert result.exit_code == 0 and "JSON syntax only" in result.stderr
+
+
+@pytest.mark.parametrize("content,needle", [(None, "no such file"), ("{oops", "not JSON (line 1"),
+                                            ("[1, 2]", "must be a JSON object")])
+def test_bad_json_schema_file_is_a_usage_error(fake, tmp_path, content, needle):
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    result = run_cli(["chat", "-m", "x", "--json-schema", str(path), "q"])
+    assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr
+    assert not fake.calls  # before the model loads
+
+
 def test_first_word_names_the_model(fake):
     assert run_cli(["chat", "120b", "hello", "there"]).exit_code == 0
     assert fake.calls[-1][0] == "120b"

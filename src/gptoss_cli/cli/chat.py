@@ -39,7 +39,7 @@ from .options import (
 
 # Flags that map 1:1 onto ChatSettings fields (so explicit ones can override a resumed chat's).
 _SETTING_FLAGS = ("effort", "developer", "reasoning", "temperature", "top_p", "top_k", "min_p", "seed",
-                  "max_tokens", "stop", "truncate", "raw", "stats")
+                  "max_tokens", "stop", "json_schema", "truncate", "raw", "stats")
 
 
 @app.command(no_args_is_help=False)
@@ -64,6 +64,9 @@ def chat(
     seed: SeedOpt = None,
     max_tokens: MaxTokensOpt = None,
     stop: StopOpt = None,
+    json_schema: Annotated[str | None, typer.Option(
+        "--json-schema", help="Ask for answers in JSON following this JSON Schema file (a harmony response format); "
+                              "a one-shot answer that is not valid exits 1.", show_default=False)] = None,
     context: ContextOpt = None,
     truncate: Annotated[str, typer.Option(
         help="When the conversation outgrows the context: none (refuse) or oldest (drop the oldest exchanges).")
@@ -85,15 +88,18 @@ def chat(
     from .chat_render import ChatRenderer
     from .chat_session import ChatSession, ChatSettings
     from .chat_store import ChatStore, history_disabled, history_path
+    from .json_answer import read_schema, schema_checker_available
     from .models import load_model
 
     ui = ctx.obj
     model, words = split_model_argument(ctx, model, list(prompt or []))
+    schema_name, schema = read_schema(json_schema) if json_schema is not None else ("response", None)
     try:
         settings = ChatSettings(effort=effort, developer=read_developer(developer),
                                 reasoning=reasoning, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, max_tokens=max_tokens, stop=check_stop(stop),
-                                truncate=truncate, raw=raw, stats=stats)
+                                truncate=truncate, raw=raw, stats=stats, json_schema=schema,
+                                json_schema_name=schema_name)
     except ValueError as e:
         raise UsageError(str(e), "see gptoss chat --help") from None
     if resume_latest and resume:
@@ -112,11 +118,15 @@ def chat(
     if resume_latest or resume:
         _resume(ctx, ui, session, store or ChatStore(), resume, settings)
     renderer = ChatRenderer(ui, session)
+    if session.settings.json_schema is not None and not schema_checker_available():
+        ui.note("--json-schema: answers are checked for JSON syntax only (pip install jsonschema to check the schema)")
 
     if text is not None:
         result = renderer.run_turn(text)
         if result is None and not stay:
             return errors.INTERRUPTED
+        if result is not None and result.json_problem is not None and not stay:
+            return errors.ERROR
     if run_repl is None:
         return errors.OK
     return run_repl(ui, session, renderer, None if no_store else history_path())
@@ -193,6 +203,8 @@ def _resume(ctx: typer.Context, ui, session, store, ref: str | None, flags) -> N
                           f"conversations are autosaved in {store.root}; start one with `gptoss chat`")
     session.load(path)
     explicit = {name: getattr(flags, name) for name in _SETTING_FLAGS if option_typed(ctx, name, env=True)}
+    if "json_schema" in explicit:
+        explicit["json_schema_name"] = flags.json_schema_name
     session.settings = replace(session.settings, **explicit)
     exchanges = sum(1 for m in session.messages if m.role == "user")
     ui.note(f"continuing {path.stem} ({exchanges} exchange(s))")

@@ -77,6 +77,8 @@ class ChatRenderer:
                          "raise --max-tokens (/set max_tokens N) and /retry")
         elif result.stats.finish_reason == "length":
             self.ui.warn(f"the answer was cut at {result.stats.generated_tokens} tokens (max tokens or context)")
+        if result.json_problem is not None:
+            self.ui.warn(f"--json-schema: {result.json_problem}")
         if self.session.settings.stats:
             self.ui.err.print(Text(stats_line(result.stats), style="dim"), soft_wrap=True)
 

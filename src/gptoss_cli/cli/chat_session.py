@@ -21,6 +21,7 @@ from typing import Union
 
 from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
+from .json_answer import answer_problem
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
 from ..runtime.stop_strings import StopFilter, StopWatch, check_stops, is_answer_text
@@ -32,6 +33,7 @@ from ..runtime.harmony import (
     Message,
     MessageStart,
     ParseError,
+    ResponseFormat,
     SystemConfig,
     TextDelta,
     drop_finished_analysis,
@@ -60,6 +62,8 @@ class ChatSettings(SamplingSettings):
     raw: bool = False
     stats: bool = True
     stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one completed
+    json_schema: dict | None = None  # --json-schema: a response format every answer is checked against
+    json_schema_name: str = "response"
 
     def __post_init__(self) -> None:
         self.stop = check_stops(self.stop)  # also a saved file's list
@@ -147,6 +151,7 @@ class TurnResult:
     committed: bool  # added to the conversation
     cut_in_reasoning: bool  # max_tokens reached before any answer
     warnings: list[str] = field(default_factory=list)
+    json_problem: str | None = None  # with --json-schema: why the answer does not satisfy it
 
 
 @dataclass(frozen=True)
@@ -266,8 +271,11 @@ class ChatSession:
         return SystemConfig(current_date=self.today, reasoning_effort=self.settings.effort)
 
     def developer_config(self) -> DeveloperConfig | None:
-        text = self.settings.developer
-        return DeveloperConfig(instructions=text) if text else None
+        s = self.settings
+        formats = (ResponseFormat(s.json_schema_name, s.json_schema),) if s.json_schema is not None else ()
+        if not s.developer and not formats:
+            return None
+        return DeveloperConfig(instructions=s.developer or None, response_formats=formats)
 
     def render(self, messages: list[Message] | None = None) -> list[int]:
         """Prompt ids for the next reply: finished turns without their analysis, then <|start|>assistant."""
@@ -346,6 +354,8 @@ class ChatSession:
             self.messages += [Message("user", turn.user), *replies]
             self.retry_text = None
             result.warnings += self.autosave()
+            if self.settings.json_schema is not None:
+                result.json_problem = answer_problem(result.answer, self.settings.json_schema)
         else:
             self.retry_text = turn.user
         self.last_stats = stats
