@@ -115,3 +115,6 @@ def test_watch_on_tokens(tokenizer):
     assert not any(analysis.feed(t) for t in [CHANNEL, *tok.encode("analysis"), MESSAGE, *text])
     raw = StopWatch(tok, ["two"], harmony=False)
     assert [raw.feed(t) for t in tok.encode("one two")][-1] and not StopWatch(tok, ["x"], harmony=False).feed(RETURN)
+    # Raw text counts special tokens by name, as the record's decoded text does.
+    special = StopWatch(tok, ["a<|end"], harmony=False)
+    assert [special.feed(t) for t in [*tok.encode("a"), tok.encode_special("<|end|>")]] == [False, True]

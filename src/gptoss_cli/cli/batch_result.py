@@ -10,9 +10,8 @@ raw completion) ends before the first one (runtime/stop_strings.py) and finishes
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
-
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ..runtime.harmony import HarmonyStreamParser, ToolCall
 from ..runtime.stop_strings import StopFilter, cut_at_stop

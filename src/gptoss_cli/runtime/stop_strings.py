@@ -141,7 +141,7 @@ class StopWatch:
     """A request's generated tokens, one at a time -> whether its answer has reached a stop string.
 
     `harmony`: the output is harmony (chat requests; only answer text counts); otherwise it is raw
-    text, all of which counts."""
+    text, all of which counts, special tokens as their names (as Tokenizer.decode writes them)."""
 
     def __init__(self, tokenizer, stops: Sequence[str], harmony: bool = True) -> None:
         self._tok = tokenizer
@@ -154,6 +154,8 @@ class StopWatch:
         if self._parser is not None:
             self._filter.feed(self._parser.feed(token_id))
             return self._filter.stopped
-        if not self._tok.is_special(token_id):
-            self._matcher.push(self._decoder.push(token_id))
+        tok = self._tok
+        text = self._decoder.flush() + tok.decode([token_id]) if tok.is_special(token_id) else \
+            self._decoder.push(token_id)
+        self._matcher.push(text)
         return self._matcher.hit
