@@ -488,6 +488,59 @@ def test_repl_slash_commands(tok):
     assert session.settings.stats is False
 
 
+def test_repl_read_sends_a_file_then_the_text_after_it(tok, tmp_path):
+    pytest.importorskip("prompt_toolkit")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("line one\nline two\n")
+    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00")
+    session, engine = make_session(tok, [reply(tok, None, "A1"), reply(tok, None, "A2")])
+    keys = (f"/read {notes} sum it up\r/read {tmp_path / 'missing.txt'}\r/read {tmp_path / 'bin.dat'}\r/read\r"
+            f"/read {notes}\r/exit\r")
+    code, out, err = run_repl_with(session, keys)
+    assert code == 0 and len(engine.prompts) == 2
+    assert "<|start|>user<|message|>line one\nline two\n\nsum it up<|end|>" in tok.decode(engine.prompts[0])
+    assert "<|start|>user<|message|>line one\nline two<|end|>" in tok.decode(engine.prompts[1])
+    assert "missing.txt: no such file" in err and "not UTF-8 text" in err and "/read needs a file" in err
+    assert "Traceback" not in err
+
+
+def test_repl_edit_uses_the_editor(tok, tmp_path, monkeypatch):
+    pytest.importorskip("prompt_toolkit")
+    editor = tmp_path / "editor.sh"
+    # The editor appends a line to whatever /edit put in the file.
+    editor.write_text('#!/bin/sh\nprintf "%s\\n" "from the editor" >> "$1"\n')
+    editor.chmod(0o755)
+    monkeypatch.delenv("VISUAL", raising=False)
+    monkeypatch.setenv("EDITOR", str(editor))
+    session, engine = make_session(tok, [reply(tok, None, "A1")])
+    code, out, err = run_repl_with(session, "/edit Draft:\r/exit\r")
+    assert code == 0
+    assert "<|start|>user<|message|>Draft:from the editor<|end|>" in tok.decode(engine.prompts[0])
+    monkeypatch.setenv("EDITOR", "false")  # exits 1: nothing is sent
+    code, out, err = run_repl_with(session, "/edit\r/exit\r")
+    assert len(engine.prompts) == 1 and "exited with status 1" in err
+    monkeypatch.delenv("EDITOR")
+    code, out, err = run_repl_with(session, "/edit\r/exit\r")
+    assert "no editor" in err and "Traceback" not in err
+
+
+def test_ctrl_g_opens_the_typed_text_in_the_editor():
+    # prompt_toolkit's Buffer.open_in_editor runs $VISUAL / $EDITOR on the typed text (after the
+    # editor exits, asynchronously); the binding must call it without sending the text.
+    pytest.importorskip("prompt_toolkit")
+    from types import SimpleNamespace
+
+    from prompt_toolkit.keys import Keys
+
+    from gptoss_cli.cli.chat_repl import key_bindings
+
+    calls = []
+    buffer = SimpleNamespace(open_in_editor=lambda validate_and_handle=True: calls.append(validate_and_handle))
+    (binding,) = [b for b in key_bindings().bindings if b.keys == (Keys.ControlG,)]
+    binding.handler(SimpleNamespace(current_buffer=buffer))
+    assert calls == [False]
+
+
 def test_repl_multiline_input(tok):
     session, engine = make_session(tok, [reply(tok, None, "ok")])
     keys = '"""\rline one\rline two\r"""\rfirst\x1b\rsecond\r/developer """\rBe\rbrief.\r"""\r\x04'

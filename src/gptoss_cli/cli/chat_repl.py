@@ -4,7 +4,7 @@ slash commands. Imported only when a chat is interactive, so one-shot chat runs 
 Keys: Enter sends; Alt+Enter (or Esc then Enter) inserts a newline; text opened with \"\"\" continues
 until the closing \"\"\"; pasted text keeps its newlines. Ctrl+C stops a reply (the conversation is
 kept; also when pressed right after Enter, see chat_keys.py), clears a typed line, and on an empty prompt prints how to quit (twice in a row: quit, 130).
-Ctrl+D on an empty prompt quits.
+Ctrl+D on an empty prompt quits. Ctrl+G opens the typed text in $VISUAL / $EDITOR (as /edit does).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Command:
 
 def _help(session: ChatSession, out: ChatRenderer, arg: str) -> None:
     lines = [f"{c.usage:<34} {c.help}" for c in COMMANDS.values()]
-    lines += ["", "Enter sends · Alt+Enter or Esc Enter: new line · \"\"\" … \"\"\" for a multi-line message",
+    lines += ["", "Enter sends · Alt+Enter or Esc Enter: new line · \"\"\" … \"\"\" for a multi-line message · "
+              "Ctrl+G: $EDITOR",
               "Ctrl+C stops a reply · Ctrl+D or /exit quits · Tab completes commands"]
     out.show("\n".join(lines))
 
@@ -185,6 +186,71 @@ def _retry(session: ChatSession, out: ChatRenderer, arg: str) -> Send | None:
     return Send(text)
 
 
+def _read(session: ChatSession, out: ChatRenderer, arg: str) -> Send | None:
+    """/read PATH [TEXT]: send the file's text, then TEXT after a blank line (as piped stdin goes first)."""
+    target, _, question = arg.strip().partition(" ")
+    if not target:
+        out.ui.error("/read needs a file", "e.g. /read notes.txt sum this up")
+        return None
+    path = Path(target).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        out.ui.error(f"/read {target}: no such file", "give the path of a text file")
+        return None
+    except UnicodeDecodeError:
+        out.ui.error(f"/read {target}: not UTF-8 text", "give a text file")
+        return None
+    except OSError as e:
+        out.ui.error(f"/read {target}: cannot read it ({e.strerror or e})", "give the path of a readable text file")
+        return None
+    message = "\n\n".join(p for p in (text.strip("\n"), question.strip()) if p)
+    if not message.strip():
+        out.ui.error(f"/read {target}: the file is empty", "give a file with some text")
+        return None
+    out.note(f"read {path} ({len(text):,} characters)")
+    return Send(message)
+
+
+def _edit(session: ChatSession, out: ChatRenderer, arg: str) -> Send | None:
+    """/edit: write the message in $VISUAL or $EDITOR (a temporary file); it is sent when saved non-empty."""
+    text, problem = edit_text(arg)
+    if problem is not None:
+        out.ui.error(problem, "set $EDITOR (e.g. export EDITOR=nano), or type the message with \"\"\" … \"\"\"")
+        return None
+    text = text.strip("\n")
+    if not text.strip():
+        out.note("empty message: nothing sent")
+        return None
+    return Send(text)
+
+
+def edit_text(initial: str) -> tuple[str, str | None]:
+    """(text, None) after editing `initial` in the user's editor, or ("", why it could not run)."""
+    import os
+    import shlex
+    import subprocess
+    import tempfile
+
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR")
+    if not editor:
+        return "", "no editor: $VISUAL and $EDITOR are not set"
+    fd, name = tempfile.mkstemp(prefix="gptoss-", suffix=".md")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(initial)
+        try:
+            code = subprocess.call([*shlex.split(editor), name])
+        except OSError as e:
+            return "", f"cannot start the editor {editor!r}: {e.strerror or e}"
+        if code != 0:
+            return "", f"the editor {editor!r} exited with status {code}: nothing sent"
+        with open(name, encoding="utf-8", errors="replace") as f:
+            return f.read(), None
+    finally:
+        os.unlink(name)
+
+
 def _undo(session: ChatSession, out: ChatRenderer, arg: str) -> None:
     text = session.undo()
     if text is None:
@@ -215,6 +281,8 @@ COMMANDS: dict[str, Command] = {
     "/save": Command(_save, "/save [PATH.json|PATH.md]", "save the conversation (.md: transcript, no reasoning)"),
     "/load": Command(_load, "/load PATH.json|ID", "resume a saved conversation"),
     "/clear": Command(_clear, "/clear", "start a new conversation"),
+    "/read": Command(_read, "/read PATH [TEXT]", "send a text file (then TEXT) as the message"),
+    "/edit": Command(_edit, "/edit [TEXT]", "write the message in $EDITOR (also Ctrl+G at the prompt)"),
     "/retry": Command(_retry, "/retry", "regenerate the last reply (alias /regen)"),
     "/undo": Command(_undo, "/undo", "remove the last exchange"),
     "/exit": Command(_exit, "/exit", "quit (aliases /bye, /quit; or Ctrl+D)"),
@@ -276,7 +344,7 @@ class SlashCompleter(Completer):
             return
         name, _, arg = text.partition(" ")
         name = ALIASES.get(name, name)
-        if name in ("/save", "/load"):
+        if name in ("/save", "/load", "/read"):
             yield from self._paths.get_completions(Document(arg, len(arg)), complete_event)
         elif name in COMMANDS and " " not in arg:
             for choice in COMMANDS[name].choices:
@@ -301,6 +369,11 @@ def key_bindings() -> KeyBindings:
     @kb.add("escape", "enter")
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
+
+    @kb.add("c-g")
+    def _editor(event) -> None:
+        # prompt_toolkit runs $VISUAL / $EDITOR on the typed text and puts the result back.
+        event.current_buffer.open_in_editor(validate_and_handle=False)
 
     @kb.add("c-c")
     def _interrupt(event) -> None:
