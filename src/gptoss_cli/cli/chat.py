@@ -93,13 +93,12 @@ def chat(
 
     ui = ctx.obj
     model, words = split_model_argument(ctx, model, list(prompt or []))
-    schema_name, schema = read_schema(json_schema) if json_schema is not None else ("response", None)
+    schema = read_schema(json_schema) if json_schema is not None else None
     try:
         settings = ChatSettings(effort=effort, developer=read_developer(developer),
                                 reasoning=reasoning, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, max_tokens=max_tokens, stop=check_stop(stop),
-                                truncate=truncate, raw=raw, stats=stats, json_schema=schema,
-                                json_schema_name=schema_name)
+                                truncate=truncate, raw=raw, stats=stats, json_schema=schema)
     except ValueError as e:
         raise UsageError(str(e), "see gptoss chat --help") from None
     if resume_latest and resume:
@@ -168,14 +167,13 @@ def read_developer(value: str | None) -> str | None:
     """--developer TEXT, or @FILE for the file's contents."""
     if value is None or not value.startswith("@"):
         return value
-    path = Path(value[1:]).expanduser()
+    from .text_files import TextFileError, read_text_file
+
     try:
-        return path.read_text(encoding="utf-8").strip() or None
-    except OSError as e:
-        raise UsageError(f"cannot read developer instructions from {path}: {e.strerror or e}",
+        return read_text_file(value[1:]).strip() or None
+    except TextFileError as e:
+        raise UsageError(f"cannot read developer instructions from {value[1:]}: {e}",
                          "--developer takes TEXT or @FILE") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text", "--developer takes TEXT or @FILE") from None
 
 
 def prompt_text(words: list[str], read_stdin: bool) -> str | None:
@@ -203,8 +201,6 @@ def _resume(ctx: typer.Context, ui, session, store, ref: str | None, flags) -> N
                           f"conversations are autosaved in {store.root}; start one with `gptoss chat`")
     session.load(path)
     explicit = {name: getattr(flags, name) for name in _SETTING_FLAGS if option_typed(ctx, name, env=True)}
-    if "json_schema" in explicit:
-        explicit["json_schema_name"] = flags.json_schema_name
     session.settings = replace(session.settings, **explicit)
     exchanges = sum(1 for m in session.messages if m.role == "user")
     ui.note(f"continuing {path.stem} ({exchanges} exchange(s))")

@@ -28,6 +28,7 @@ from .chat_render import ChatRenderer, context_text, model_text, settings_text, 
 from .chat_session import REASONING_MODES, SETTABLE, ChatSession, check_choice
 from .chat_store import ChatStore, make_private_dir, touch_private
 from .console import Ui
+from .text_files import TextFileError, read_text_file
 
 BLOCK = '"""'
 EXIT = "exit"  # what a command returns to end the chat
@@ -192,23 +193,16 @@ def _read(session: ChatSession, out: ChatRenderer, arg: str) -> Send | None:
     if not target:
         out.ui.error("/read needs a file", "e.g. /read notes.txt sum this up")
         return None
-    path = Path(target).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        out.ui.error(f"/read {target}: no such file", "give the path of a text file")
-        return None
-    except UnicodeDecodeError:
-        out.ui.error(f"/read {target}: not UTF-8 text", "give a text file")
-        return None
-    except OSError as e:
-        out.ui.error(f"/read {target}: cannot read it ({e.strerror or e})", "give the path of a readable text file")
+        text = read_text_file(target)
+    except TextFileError as e:
+        out.ui.error(f"/read {target}: {e}", "give the path of a readable UTF-8 text file")
         return None
     message = "\n\n".join(p for p in (text.strip("\n"), question.strip()) if p)
     if not message.strip():
         out.ui.error(f"/read {target}: the file is empty", "give a file with some text")
         return None
-    out.note(f"read {path} ({len(text):,} characters)")
+    out.note(f"read {target} ({len(text):,} characters)")
     return Send(message)
 
 

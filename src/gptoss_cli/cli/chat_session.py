@@ -21,10 +21,10 @@ from typing import Union
 
 from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
-from .json_answer import answer_problem
+from .json_answer import answer_problem, format_name
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
-from ..runtime.stop_strings import StopFilter, StopWatch, check_stops, is_answer_text
+from ..runtime.stop_strings import StopFilter, check_stops, is_answer_text
 from ..runtime.harmony import (
     Conversation,
     DeveloperConfig,
@@ -63,7 +63,6 @@ class ChatSettings(SamplingSettings):
     stats: bool = True
     stop: tuple[str, ...] = ()  # stop sequences: the answer ends before the first one completed
     json_schema: dict | None = None  # --json-schema: a response format every answer is checked against
-    json_schema_name: str = "response"
 
     def __post_init__(self) -> None:
         self.stop = check_stops(self.stop)  # also a saved file's list
@@ -193,11 +192,7 @@ class Turn:
         tally = _Tally()
         raw = tok.stream_decoder()  # the raw view must not split UTF-8 characters either
         output = None
-        # The engine ends the request at the token that completes a stop string (a watch of its own:
-        # it decides before this loop sees the token).
-        watch = StopWatch(tok, stops) if stops else None
-        until = (lambda event: watch.feed(event.token_id)) if watch else None
-        stream = self.session.engine.stream(self.prompt_ids, self.params, until=until)
+        stream = self.session.engine.stream(self.prompt_ids, self.params)
         with closing(stream):
             for event in stream:
                 reasoning = tally.before(parser, event)
@@ -209,6 +204,9 @@ class Turn:
                     yield harmony_event
                 if event.output is not None:
                     output = event.output
+                elif cut.stopped:  # a stop string: the request ends at this token
+                    output = stream.end()
+                    break
         for harmony_event in [] if cut.stopped else cut.feed(parser.finish()):
             tally.after(harmony_event, None)
             yield harmony_event
@@ -272,7 +270,7 @@ class ChatSession:
 
     def developer_config(self) -> DeveloperConfig | None:
         s = self.settings
-        formats = (ResponseFormat(s.json_schema_name, s.json_schema),) if s.json_schema is not None else ()
+        formats = (ResponseFormat(format_name(s.json_schema), s.json_schema),) if s.json_schema is not None else ()
         if not s.developer and not formats:
             return None
         return DeveloperConfig(instructions=s.developer or None, response_formats=formats)

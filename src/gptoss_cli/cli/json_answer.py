@@ -10,30 +10,27 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-
 from .errors import UsageError
+from .text_files import TextFileError, read_text_file
 
 
-def read_schema(path: str) -> tuple[str, dict]:
-    """(response format name, schema) from a JSON file; UsageError for a file that cannot be one."""
+def read_schema(path: str) -> dict:
+    """The schema in a JSON file; UsageError for a file that cannot be one."""
     hint = "give a JSON file holding one JSON Schema object, e.g. {\"type\": \"object\", ...}"
     try:
-        schema = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"--json-schema {path}: no such file", hint) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--json-schema {path}: cannot read it ({e})", hint) from None
+        schema = json.loads(read_text_file(path))
+    except TextFileError as e:
+        raise UsageError(f"--json-schema {path}: {e}", hint) from None
     except json.JSONDecodeError as e:
         raise UsageError(f"--json-schema {path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})", hint) from None
     if not isinstance(schema, dict):
         raise UsageError(f"--json-schema {path}: the schema must be a JSON object, not {type(schema).__name__}", hint)
-    return format_name(schema, Path(path).stem), schema
+    return schema
 
 
-def format_name(schema: dict, fallback: str) -> str:
-    """The response format's name: the schema's title, else the file name, as one identifier."""
-    title = schema.get("title") if isinstance(schema.get("title"), str) else fallback
+def format_name(schema: dict) -> str:
+    """The response format's name in the prompt: the schema's title as one identifier, else "response"."""
+    title = schema.get("title") if isinstance(schema.get("title"), str) else ""
     return re.sub(r"\W+", "_", title).strip("_") or "response"
 
 

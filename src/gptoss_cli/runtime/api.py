@@ -12,7 +12,7 @@ import math
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .config import ModelConfig
@@ -146,32 +146,10 @@ class Engine(ABC):
         return room if params.max_tokens is None else min(room, params.max_tokens)
 
     # ---- levels 2 and 3 ------------------------------------------------------------------
-    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               until: Callable[[TokenEvent], bool] | None = None) -> Iterator[TokenEvent]:
-        """Generate for one request, yielding its tokens; closing the iterator aborts it.
-        `until(event)`: the caller's own end (a stop string in the decoded text, say), asked of every
-        token the engine did not end the request with. When it says yes the request is aborted and
-        that token's event is the last, with finish_reason "stop" and the output so far."""
-        rid = self.add_request(prompt_token_ids, params)
-        done = False
-        try:
-            while not done:
-                for event in self.step():
-                    if event.request_id == rid:
-                        if event.finish_reason is None and until is not None and until(event):
-                            event = self._end_early(event)
-                        done = event.finish_reason is not None
-                        yield event
-        finally:
-            if not done:
-                self.abort(rid)
-
-    def _end_early(self, event: TokenEvent) -> TokenEvent:
-        out = self.abort(event.request_id)
-        if out is None:  # the engine no longer knows it (cannot happen between steps)
-            return event
-        out.finish_reason = "stop"
-        return TokenEvent(event.request_id, event.token_id, event.index, event.time, "stop", out)
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Generate for one request, yielding its tokens (RequestStream: closing it aborts the
+        request, `end()` stops it where it is and keeps its output)."""
+        return RequestStream(self, prompt_token_ids, params)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[RequestOutput]:
         """Run many prompts together (continuous batching); outputs in prompt order."""
@@ -182,3 +160,58 @@ class Engine(ABC):
                 if event.output is not None:
                     done[event.request_id] = event.output
         return [done[r] for r in rids]
+
+
+@dataclass
+class _StreamState:
+    request_id: str | None = None  # set when the first event is asked for
+    done: bool = False
+
+
+def _stream_events(engine: Engine, prompt: Sequence[int], params: SamplingParams,
+                   state: _StreamState) -> Iterator[TokenEvent]:
+    state.request_id = rid = engine.add_request(prompt, params)
+    try:
+        while not state.done:
+            for event in engine.step():
+                if event.request_id == rid:
+                    state.done = event.finish_reason is not None
+                    yield event
+    finally:
+        if not state.done:
+            state.done = True
+            engine.abort(rid)
+
+
+class RequestStream:
+    """One request's TokenEvents, as Engine.stream hands them out; the request is queued when the
+    first one is asked for. Closing the stream (or dropping it unfinished) aborts the request;
+    `end()` is the caller's own stop (a stop string in the decoded text, say): the request is
+    dropped after the last event taken and its output kept. The events come from a generator
+    that does not refer back to the stream, so dropping the stream finalises it at once."""
+
+    def __init__(self, engine: Engine, prompt: Sequence[int], params: SamplingParams) -> None:
+        self._engine = engine
+        self._state = _StreamState()
+        self._events = _stream_events(engine, prompt, params, self._state)
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def end(self) -> RequestOutput | None:
+        """Stop the request now (between steps): its output so far, finish_reason "stop"; None if
+        it had not started or had already finished."""
+        state = self._state
+        if state.done or state.request_id is None:
+            return None
+        state.done = True
+        out = self._engine.abort(state.request_id)
+        if out is not None:
+            out.finish_reason = "stop"
+        return out
