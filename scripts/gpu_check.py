@@ -14,6 +14,7 @@ Sections (default: all, in this order):
   tput      only bench20b's 256-request throughput run (not in the default list)
   e120b     random gpt-oss-120b built in memory: loads, fits, decodes, benchmarks
   cli       the product's own `gptoss bench` on random:20b and random:120b, batch 1 and 64
+  penalty   what the repetition penalty costs 20b decode: in the graph but off, and on (not default)
 Full results go to DIR/gpu_check.json (DIR defaults to $OUT or /tmp).
 """
 
@@ -301,20 +302,21 @@ def _bench_hf(section: str, hf) -> None:
         row(section, f"transformers decode B={b} in=128", f"{tok_s:,.0f} tok/s")
 
 
-def sampled_params(count: int, output_len: int, seed: int) -> list:
+def sampled_params(count: int, output_len: int, seed: int, repetition_penalty: float = 1.0) -> list:
     """Temperature-1 sampling with a seed per request, as real traffic and `gptoss bench` have.
     One seed for all made rows draw the same uniforms: on a random checkpoint's flat logits they
     then picked the same tokens and routed alike, so fewer experts were read than in real use
     (session 11: 120b batch 64 4,205 tok/s here vs 1,902 in `gptoss bench`)."""
     from gptoss_cli.runtime.api import SamplingParams
 
-    return [SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=seed * 100_003 + i)
-            for i in range(count)]
+    return [SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=seed * 100_003 + i,
+                           repetition_penalty=repetition_penalty) for i in range(count)]
 
 
-def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int, seed: int = 0) -> float:
+def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int, seed: int = 0,
+                  repetition_penalty: float = 1.0) -> float:
     prompts = _prompts(batch, [input_len], seed=seed + batch)
-    for p, params in zip(prompts, sampled_params(batch, output_len, seed)):
+    for p, params in zip(prompts, sampled_params(batch, output_len, seed, repetition_penalty)):
         eng.add_request(p, params)
     times = []
     while eng.has_unfinished():
@@ -323,7 +325,8 @@ def _bench_engine(section: str, eng, batch: int, input_len: int, output_len: int
             times.append(events[0].time)
     steps = len(times) - 1
     tok_s = batch * steps / (times[-1] - times[0]) if steps > 0 else float("nan")
-    row(section, f"decode B={batch} in={input_len} out={output_len}", f"{tok_s:,.0f} tok/s")
+    penalty = f" penalty={repetition_penalty:g}" if repetition_penalty != 1.0 else ""
+    row(section, f"decode B={batch} in={input_len} out={output_len}{penalty}", f"{tok_s:,.1f} tok/s")
     return tok_s
 
 
@@ -470,15 +473,47 @@ def section_e120b(args) -> None:
     _bench_engine("e120b", eng, 1, 32768, 128)
 
 
+def section_penalty(args) -> None:
+    """The repetition penalty's cost to 20b decode at batch 1 and 64, engines built in turn over
+    2 rounds: "none" captured its graphs without the penalty's launches (apply_penalty and the
+    advance launch's marks patched out), "graph" is the product (penalty 1: every program exits
+    at once), "on" the product with penalty 1.1 on every request."""
+    import statistics
+
+    from gptoss_cli.runtime.gpu import runner as runner_mod
+    from gptoss_cli.runtime.random_checkpoint import random_weights
+
+    real_apply, real_advance = runner_mod.apply_penalty, runner_mod.advance_decode
+    tok_s: dict[tuple[str, int], list[float]] = {}
+    for rnd in range(2):
+        for side in ("none", "graph"):
+            if side == "none":
+                runner_mod.apply_penalty = lambda *a, **k: None
+                runner_mod.advance_decode = lambda *a: real_advance(*a[:6])
+            try:
+                eng = _engine(random_weights("20b", device="cuda"), max_batch=64)
+            finally:
+                runner_mod.apply_penalty, runner_mod.advance_decode = real_apply, real_advance
+            for b in (1, 64):
+                for name, pen in ((side, 1.0),) + ((("on", 1.1),) if side == "graph" else ()):
+                    tok_s.setdefault((name, b), []).append(
+                        _bench_engine(f"penalty {name} r{rnd}", eng, b, 128, 256, seed=rnd, repetition_penalty=pen))
+            del eng
+            _release()
+    for (name, b), values in sorted(tok_s.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        row("penalty", f"B={b} {name}: median tok/s", f"{statistics.median(values):,.1f} ({values})")
+
+
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kbench": section_kbench, "tiny": section_tiny,
             "load": section_load, "profile": section_profile,
             "e20b": section_e20b, "bench20b": section_bench20b, "tput": section_tput, "e120b": section_e120b,
-            "cli": section_cli}
+            "cli": section_cli, "penalty": section_penalty}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", default=[s for s in SECTIONS if s != "tput"], choices=list(SECTIONS))
+    parser.add_argument("sections", nargs="*", default=[s for s in SECTIONS if s not in ("tput", "penalty")],
+                        choices=list(SECTIONS))
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--e20b-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="engine dtypes e20b checks against the reference (bf16 also against transformers)")

@@ -109,6 +109,8 @@ def test_huge_line_is_skipped_without_being_kept():
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"temperature": True}, "temperature must be a number"),
     ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": "x"}, "repetition_penalty must be a number"),
 ])
 def test_bad_sampling_values(overrides, fragment):
     for line in (parse({"prompt": "x", **overrides}), parse(openai_line(**overrides))):

@@ -361,6 +361,7 @@ def test_undo_and_retry(tok):
     ("top_p", "0", False), ("top_p", "0.95", True), ("top_k", "2.5", False), ("top_k", "40", True),
     ("min_p", "1.5", False), ("seed", "none", True), ("seed", "-3", False), ("max_tokens", "0", False),
     ("max_tokens", "64", True), ("context", "8", False), ("context", "1024", True), ("nope", "1", False),
+    ("repetition_penalty", "1.15", True), ("repetition_penalty", "0", False), ("repetition_penalty", "lots", False),
 ])
 def test_set_validation(tok, name, text, ok):
     session, _ = make_session(tok, [[200002]])
@@ -474,7 +475,7 @@ def test_repl_slash_commands(tok):
             "/set stop \\n\\n\r/show settings\r/exit\r")
     code, out, err = run_repl_with(session, keys)
     assert code == 0
-    assert 'stop = "\\n\\n"' in err and 'stop         "\\n\\n"' in out
+    assert 'stop = "\\n\\n"' in err and f'{"stop":<18} "\\n\\n"' in out
     assert "temperature = 0.5" in err and "top_k must be a whole number" in err
     assert "effort = high" in err and "reasoning must be one of show, collapse, hide" in err
     assert "unknown command /frobnicate" in err
@@ -660,8 +661,8 @@ def test_one_shot_routes_flags(fake, tok, tmp_path):
     dev = tmp_path / "dev.txt"
     dev.write_text("Speak like a pirate.\n")
     result = run_cli(["chat", "-m", "random:x", "--effort", "high", "-s", f"@{dev}", "--temperature", "0.5",
-                      "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--seed", "7", "--max-tokens", "50",
-                      "--context", "2048", "What", "is", "up?"])
+                      "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--repetition-penalty", "1.3", "--seed", "7",
+                      "--max-tokens", "50", "--context", "2048", "What", "is", "up?"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "The answer.\n"
     assert "plan" in result.stderr and "TTFT" in result.stderr
@@ -669,6 +670,7 @@ def test_one_shot_routes_flags(fake, tok, tmp_path):
     assert spec == "random:x" and options["max_context"] == 2048
     p = fake.engine.params[0]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens) == (0.5, 0.9, 5, 0.1, 7, 50)
+    assert p.repetition_penalty == 1.3
     text = tok.decode(fake.engine.prompts[0])
     assert "Reasoning: high" in text and "# Instructions\n\nSpeak like a pirate." in text
     assert "<|start|>user<|message|>What is up?<|end|>" in text

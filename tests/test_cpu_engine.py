@@ -147,3 +147,39 @@ def test_load_many_requests_each_equals_running_alone(weights):
                 together[ev.request_id] = ev.output.token_ids
     alone = [CpuEngine(weights).generate([p], params)[0].token_ids for p, params in reqs]
     assert [together[f"req-{i}"] for i in range(40)] == alone
+
+
+def _greedy_penalised(weights, prompt, n, penalty):
+    """Step-by-step greedy decoding with the repetition penalty's twin over prompt + output."""
+    from gptoss_cli.kernels.penalty import apply_penalty_mask_ref
+    from gptoss_cli.runtime.model_ref import ReferenceModel
+
+    ref = ReferenceModel(weights)
+    cache, ids, out = ref.new_cache(), prompt, []
+    for _ in range(n):
+        logits = ref.forward([(ids, cache)])[0]
+        seen = torch.zeros(1, logits.shape[0], dtype=torch.bool)
+        seen[0, prompt + out] = True
+        out.append(int(apply_penalty_mask_ref(logits[None], seen, torch.tensor([penalty]))[0].argmax()))
+        ids = [out[-1]]
+    return out
+
+
+def test_repetition_penalty(weights):
+    # Below 1 from a one-token prompt, the boosted tokens it generated come back (a loop): the
+    # generated tokens are in the seen set. Above 1 with a prompt that starts with greedy's own
+    # next token, that token is pushed off the top: the prompt is in the seen set.
+    engine = CpuEngine(weights)
+    loop_prompt = _prompt(1, 7)
+    favour = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=0.5)
+    looped = engine.generate([loop_prompt], favour)[0].token_ids
+    assert looped == _greedy_penalised(weights, loop_prompt, 8, 0.5)
+    assert len(set(looped)) < len(looped) and looped != engine.generate([loop_prompt], GREEDY)[0].token_ids[:8]
+    base = _prompt(12, 8)
+    prompt = engine.generate([base], GREEDY)[0].token_ids[:1] + base
+    avoid = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, repetition_penalty=3.0)
+    got = engine.generate([prompt], avoid)[0].token_ids
+    assert got == _greedy_penalised(weights, prompt, 4, 3.0)
+    assert got[0] != engine.generate([prompt], GREEDY)[0].token_ids[0]
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        SamplingParams(repetition_penalty=0.0)

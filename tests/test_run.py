@@ -222,15 +222,17 @@ def test_tool_calls_are_returned_not_run(tmp_path, fake):
 
 def test_line_settings_override_flags(tmp_path, fake, tokenizer):
     src = write_jsonl(tmp_path / "in.jsonl",
-                      {"id": "a", "prompt": "x", "temperature": 0.2, "seed": 9, "top_p": 0.5, "reasoning_effort": "high"},
+                      {"id": "a", "prompt": "x", "temperature": 0.2, "seed": 9, "top_p": 0.5, "reasoning_effort": "high",
+                       "repetition_penalty": 1.5},
                       openai_line("b", max_completion_tokens=3),
                       {"id": "c", "prompt": "y"})
     args = ["--model", "random:tiny", "--temperature", "0.9", "--top-k", "3", "--min-p", "0.1", "--max-tokens", "50",
-            "--effort", "low"]
+            "--effort", "low", "--repetition-penalty", "1.1"]
     assert run(tmp_path, src, "-o", tmp_path / "out.jsonl", "--seed", "5", *args).exit_code == 0
     (_, pa, a, sa), (_, pb, b, sb), (_, _, c, _) = fake.engines[0].admitted
     assert (a.temperature, a.top_p, a.top_k, a.min_p, a.seed, a.max_tokens) == (0.2, 0.5, 3, 0.1, 9, 50)
     assert (b.temperature, b.seed, b.max_tokens) == (0.9, 5, 3)
+    assert (a.repetition_penalty, b.repetition_penalty, c.repetition_penalty) == (1.5, 1.1, 1.1)
     assert (sa, sb, c.seed) == (9, 5, 5)
     assert "Reasoning: high" in tokenizer.decode(pa) and "Reasoning: low" in tokenizer.decode(pb)
     records = read_records(tmp_path / "out.jsonl")
@@ -298,9 +300,23 @@ def test_resume_keeps_the_stop_flag(tmp_path, fake):
     assert changed.exit_code == 2 and "stop [' '] → None" in changed.stderr
     assert run(tmp_path, src, "-o", out, "--model", "random:tiny", "--resume", "--stop", " ").exit_code == 0
     assert [r["output"] for r in read_records(out)] == ["answer", "answer"]
-    # Without --stop the sidecar has no stop key, as before the option existed.
+    # Without --stop the sidecar has no stop key, as before the option existed; the same for
+    # --repetition-penalty at 1.
     assert run(tmp_path, src, "-o", tmp_path / "plain.jsonl", "--model", "random:tiny").exit_code == 0
-    assert "stop" not in json.loads((tmp_path / "plain.jsonl.meta.json").read_text())["sampling"]
+    sampling = json.loads((tmp_path / "plain.jsonl.meta.json").read_text())["sampling"]
+    assert "stop" not in sampling and "repetition_penalty" not in sampling
+
+
+def test_resume_keeps_the_repetition_penalty(tmp_path, fake):
+    src = write_jsonl(tmp_path / "in.jsonl", {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"})
+    out = tmp_path / "out.jsonl"
+    first = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--limit", "1", "--repetition-penalty", "1.2")
+    assert first.exit_code == 0
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["sampling"]["repetition_penalty"] == 1.2
+    changed = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--resume")
+    assert changed.exit_code == 2 and "repetition_penalty 1.2 → None" in changed.stderr
+    again = run(tmp_path, src, "-o", out, "--model", "random:tiny", "--resume", "--repetition-penalty", "1.2")
+    assert again.exit_code == 0 and fake.engines[-1].admitted[-1][2].repetition_penalty == 1.2
 
 
 def test_stdin_to_stdout(tmp_path, fake):
@@ -404,6 +420,8 @@ def test_only_bad_lines_never_load_the_model(tmp_path, no_model):
     (["-o", "{tmp}/o.jsonl", "--effort", "max"], "'max' is not one of"),
     (["-o", "{tmp}/o.jsonl", "--temperature", "-1"], "--temperature"),
     (["-o", "{tmp}/o.jsonl", "--top-p", "1.5"], "--top-p"),
+    (["-o", "{tmp}/o.jsonl", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["-o", "{tmp}/o.jsonl", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
 ])
 def test_usage_errors_come_before_the_model(tmp_path, no_model, args, message):
     src = write_jsonl(tmp_path / "in.jsonl", {"prompt": "x"})

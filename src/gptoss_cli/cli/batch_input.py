@@ -25,10 +25,10 @@ OPENAI_KEYS = ("custom_id", "method", "url", "body")
 _READ_CHUNK = 1 << 20
 
 # Request keys, as in an OpenAI chat completions body (shorthand lines use the same names).
-SAMPLING_FLOATS = ("temperature", "top_p", "min_p")
+SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty")
 SAMPLING_INTS = ("top_k", "seed")
 MAX_TOKEN_KEYS = ("max_completion_tokens", "max_tokens")
-SAMPLING_KEYS = (*SAMPLING_FLOATS, *SAMPLING_INTS, *MAX_TOKEN_KEYS, "repetition_penalty", "stop", "n", "stream")
+SAMPLING_KEYS = (*SAMPLING_FLOATS, *SAMPLING_INTS, *MAX_TOKEN_KEYS, "stop", "n", "stream")
 CHAT_KEYS = ("reasoning_effort", "response_format", "tools", "tool_choice", "model")
 ID_KEYS = ("custom_id", "id")
 
@@ -188,7 +188,7 @@ def _parse_request(obj: dict[str, Any], kind: str, notes: list[str]) -> RequestS
         text = obj.get("text")
         if not isinstance(text, str) or not text:
             raise _Invalid("invalid_request", "`text` must be a non-empty string", "text")
-        return RequestSpec("text", text=text, sampling=_sampling(obj, notes), stop=_stop(obj))
+        return RequestSpec("text", text=text, sampling=_sampling(obj), stop=_stop(obj))
     if kind == "prompt":
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
@@ -238,7 +238,7 @@ def _chat_request(src: dict[str, Any], kind: str, messages: Any, developer: Any,
     if formats:
         dev = DeveloperConfig(dev.instructions if dev else None, dev.tools if dev else (), formats)
     model = src.get("model")
-    return RequestSpec(kind, tuple(harmony_messages), dev, None, _sampling(src, notes), effort,
+    return RequestSpec(kind, tuple(harmony_messages), dev, None, _sampling(src), effort,
                        model if isinstance(model, str) else None, _stop(src))
 
 
@@ -279,7 +279,7 @@ def _response_formats(raw: Any) -> tuple[ResponseFormat, ...]:
     return (ResponseFormat(name, spec["schema"], description),)
 
 
-def _sampling(src: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _sampling(src: dict[str, Any]) -> dict[str, Any]:
     """Per-line sampling overrides as SamplingParams fields; bad types and values are errors."""
     if src.get("stream") not in (None, False):
         raise _Invalid("invalid_request", "stream must be false: batch requests are not streamed", "stream")
@@ -295,8 +295,6 @@ def _sampling(src: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     limit = next((k for k in MAX_TOKEN_KEYS if src.get(k) is not None), None)
     if limit is not None:
         out["max_tokens"] = _integer(src[limit], limit)
-    if src.get("repetition_penalty") not in (None, 1, 1.0):
-        notes.append("repetition_penalty (not supported; ignored)")
     try:
         SamplingParams(**out)
     except ValueError as e:

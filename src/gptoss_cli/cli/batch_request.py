@@ -26,11 +26,16 @@ class RunDefaults(SamplingSettings):
     effort: str = "medium"
     stop: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        SamplingParams(**self.sampling_values())  # ValueError names a bad flag's field
+
     def to_dict(self) -> dict:
-        """As JSON keeps it: stop as a list, and left out when empty, so that sidecars written
-        before --stop existed still match a run without it."""
+        """As JSON keeps it: stop as a list. Settings added later (stop, repetition_penalty) are
+        left out at their defaults, so that older sidecars still match a run without them."""
         data = asdict(self)
         stop = data.pop("stop")
+        if data["repetition_penalty"] == SamplingParams.repetition_penalty:
+            del data["repetition_penalty"]
         return data | ({"stop": list(stop)} if stop else {})
 
 

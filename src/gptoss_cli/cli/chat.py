@@ -28,18 +28,20 @@ from .options import (
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
+    RepetitionPenaltyOpt,
     SeedOpt,
     StopOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
     check_stop,
+    flag_message,
     option_typed,
 )
 
 # Flags that map 1:1 onto ChatSettings fields (so explicit ones can override a resumed chat's).
-_SETTING_FLAGS = ("effort", "developer", "reasoning", "temperature", "top_p", "top_k", "min_p", "seed",
-                  "max_tokens", "stop", "json_schema", "truncate", "raw", "stats")
+_SETTING_FLAGS = ("effort", "developer", "reasoning", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "seed", "max_tokens", "stop", "json_schema", "truncate", "raw", "stats")
 
 
 @app.command(no_args_is_help=False)
@@ -61,6 +63,7 @@ def chat(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
     seed: SeedOpt = None,
     max_tokens: MaxTokensOpt = None,
     stop: StopOpt = None,
@@ -97,10 +100,11 @@ def chat(
     try:
         settings = ChatSettings(effort=effort, developer=read_developer(developer),
                                 reasoning=reasoning, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p, seed=seed, max_tokens=max_tokens, stop=check_stop(stop),
+                                min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                max_tokens=max_tokens, stop=check_stop(stop),
                                 truncate=truncate, raw=raw, stats=stats, json_schema=schema)
     except ValueError as e:
-        raise UsageError(str(e), "see gptoss chat --help") from None
+        raise UsageError(flag_message(str(e)), "see gptoss chat --help") from None
     if resume_latest and resume:
         raise UsageError("--continue and --resume cannot be combined", "use one of them")
     text = prompt_text(words, read_stdin=not interactive)

@@ -304,14 +304,16 @@ def settings_text(session: ChatSession) -> str:
     rows = [
         ("model", session.model_name), ("effort", s.effort), ("reasoning", s.reasoning),
         ("temperature", f"{s.temperature:g}"), ("top_p", f"{s.top_p:g}"), ("top_k", str(s.top_k or "off")),
-        ("min_p", f"{s.min_p:g}"), ("seed", "random" if s.seed is None else str(s.seed)),
+        ("min_p", f"{s.min_p:g}"), ("repetition_penalty", "off" if s.repetition_penalty == 1 else f"{s.repetition_penalty:g}"),
+        ("seed", "random" if s.seed is None else str(s.seed)),
         ("max_tokens", "up to the context" if s.max_tokens is None else str(s.max_tokens)),
         ("stop", stops_text(s.stop)),
         ("context", str(session.context_limit)), ("truncate", s.truncate),
         ("raw", "on" if s.raw else "off"), ("stats", "on" if s.stats else "off"),
         ("developer", "(none)" if not s.developer else _one_line(s.developer)),
     ]
-    return "\n".join(f"{name:<12} {value}" for name, value in rows)
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}} {value}" for name, value in rows)
 
 
 def stops_text(stops: tuple[str, ...]) -> str:

@@ -80,7 +80,8 @@ def _set(session: ChatSession, out: ChatRenderer, arg: str) -> None:
 
 
 def _example(name: str) -> str:
-    return {"temperature": "0.7", "top_p": "0.95", "top_k": "40", "min_p": "0.05", "seed": "42",
+    return {"temperature": "0.7", "top_p": "0.95", "top_k": "40", "min_p": "0.05", "repetition_penalty": "1.1",
+            "seed": "42",
             "max_tokens": "2048", "stop": "\\n\\n", "context": "8192"}.get(name, "VALUE")
 
 
@@ -261,8 +262,8 @@ def _exit(session: ChatSession, out: ChatRenderer, arg: str) -> str:
 
 COMMANDS: dict[str, Command] = {
     "/help": Command(_help, "/help", "this list"),
-    "/set": Command(_set, "/set NAME VALUE", "temperature, top_p, top_k, min_p, seed, max_tokens, stop (adds one; "
-                    "none clears), context",
+    "/set": Command(_set, "/set NAME VALUE", "temperature, top_p, top_k, min_p, repetition_penalty, seed, "
+                    "max_tokens, stop (adds one; none clears), context",
                     SETTABLE + ("effort", "reasoning")),
     "/effort": Command(_effort, "/effort low|medium|high", "reasoning effort", ("low", "medium", "high")),
     "/reasoning": Command(_reasoning, "/reasoning show|collapse|hide", "how reasoning is displayed", REASONING_MODES),

@@ -46,7 +46,8 @@ DEFAULT_REPLY_RESERVE = 1024  # tokens kept free for the reply when --max-tokens
 SAVE_FORMAT = "gptoss-chat"
 SAVE_VERSION = 1
 # What `/set NAME VALUE` may change (see parse_setting for the value types).
-SETTABLE = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "context")
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop", "context")
+_FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _ESCAPES = {"\\n": "\n", "\\t": "\t", "\\\\": "\\"}  # what `/set stop` unescapes
 
 
@@ -100,9 +101,9 @@ def parse_setting(name: str, text: str) -> object:
     if optional and text.lower() in ("none", "off", "random", "max", "default"):
         return None
     try:
-        return float(text) if name in ("temperature", "top_p", "min_p") else int(text)
+        return float(text) if name in _FLOAT_SETTINGS else int(text)
     except ValueError:
-        kind = "a number" if name in ("temperature", "top_p", "min_p") else "a whole number"
+        kind = "a number" if name in _FLOAT_SETTINGS else "a whole number"
         extra = " (or none)" if optional else ""
         raise ValueError(f"{name} must be {kind}{extra}, not {text!r}") from None
 

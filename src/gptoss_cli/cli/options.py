@@ -19,6 +19,10 @@ TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass i
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the K most likely tokens; 0 = off.", min=0)]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability.",
                                         min=0.0, max=1.0)]
+RepetitionPenaltyOpt = Annotated[float, typer.Option(
+    "--repetition-penalty", help="Above 1, make tokens already in the prompt or the output less likely (vLLM's "
+                                 "rule: a seen token's logit is divided by R if positive, multiplied if not); "
+                                 "1 = off.")]
 SeedOpt = Annotated[int | None, typer.Option(help="Random seed (per request); unset = random.", min=0)]
 MaxTokensOpt = Annotated[int | None, typer.Option(
     "--max-tokens", "-n", help="Most tokens to generate, reasoning included; unset = up to the context.", min=1)]
@@ -48,6 +52,13 @@ def check_stop(stop: list[str] | None) -> tuple[str, ...]:
         return check_stops(stop or ())
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--stop") from None
+
+
+def flag_message(message: str) -> str:
+    """A settings error that starts with a field's name (SamplingParams' messages), with the
+    command-line flag instead: "top_p must be ..." -> "--top-p must be ..."."""
+    field = message.split(" ", 1)[0]
+    return f"--{field.replace('_', '-')}{message[len(field):]}" if field.isidentifier() else message
 
 
 def check_effort(effort: str) -> str:

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from .app import app
+from .errors import UsageError
 from .options import (
     DEFAULT_EFFORT,
     ContextOpt,
@@ -14,6 +15,7 @@ from .options import (
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
+    RepetitionPenaltyOpt,
     SeedOpt,
     StopOpt,
     TemperatureOpt,
@@ -21,6 +23,7 @@ from .options import (
     TopPOpt,
     check_effort,
     check_stop,
+    flag_message,
 )
 
 _EPILOG = (
@@ -54,6 +57,7 @@ def run_command(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
     context: ContextOpt = None,
@@ -68,11 +72,16 @@ def run_command(
     from .batch_request import RunDefaults
     from .batch_session import RunOptions, run_batch
 
+    try:
+        defaults = RunDefaults(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                               repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens,
+                               effort=check_effort(effort), stop=check_stop(stop))
+    except ValueError as e:
+        raise UsageError(flag_message(str(e)), "see gptoss run --help") from None
     options = RunOptions(
         input=input, output=output, fmt=fmt, error_file=error_file, resume=resume or retry_errors,
         retry_errors=retry_errors, force=force, ordered=not unordered, window=max_concurrency, model=model,
-        defaults=RunDefaults(temperature, top_p, top_k, min_p, seed, max_tokens, check_effort(effort),
-                             check_stop(stop)),
+        defaults=defaults,
         context=context, reasoning=reasoning, token_ids=token_ids, strict=strict, allow_failures=allow_failures,
         limit=limit,
     )

@@ -3,9 +3,10 @@
 Before the forward, each row of the batch needs its block-table rows (a copy per row, as the
 attention kernels take one table row per sequence), the flat cache slot of its new token in
 the full and the sliding pool, and its key count. After sampling, the ids go to the host buffer
-and become the next inputs, and positions and sampling offsets advance. As torch ops these were
-16 small kernels per step, each a full launch in the graph's dependency chain (H200, 20b batch
-1: 36 us of kernel time per step, plus a launch gap each; session 11).
+and become the next inputs, positions and sampling offsets advance, and (repetition penalty)
+the ids join their rows' seen sets. As torch ops these were 16 small kernels per step, each a
+full launch in the graph's dependency chain (H200, 20b batch 1: 36 us of kernel time per step,
+plus a launch gap each; session 11).
 
 Twins: `decode_slots_ref`, `advance_decode_ref` (the torch ops they replace). Rows with active
 = 0 are padding: they keep their position and offset and get 0 keys.
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .penalty import mark_bits, mark_seen_ref
 
 TABLE_BLOCK = 1024  # table entries copied per loop step
 
@@ -98,16 +101,29 @@ def decode_slots(positions: torch.Tensor, rows: torch.Tensor, active: torch.Tens
     return out
 
 
+@dataclass
+class SeenSets:
+    """The repetition penalty's seen-set bits [rows, W] int32 and, per batch row, its table row
+    [B] int64 and penalty [B] float32 (kernels.penalty)."""
+
+    bits: torch.Tensor
+    rows: torch.Tensor
+    penalty: torch.Tensor
+
+
 def advance_decode_ref(sampled: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                       offsets: torch.Tensor, active: torch.Tensor) -> None:
+                       offsets: torch.Tensor, active: torch.Tensor, seen: SeenSets | None = None) -> None:
     out.copy_(sampled)
     tokens.copy_(sampled)
     positions.add_(active)
     offsets.add_(active)
+    if seen is not None:
+        mark_seen_ref(seen.bits, seen.rows, sampled, seen.penalty)
 
 
 @triton.jit
-def _advance_kernel(sampled_ptr, out_ptr, tokens_ptr, pos_ptr, offsets_ptr, active_ptr, n, BLOCK: tl.constexpr):
+def _advance_kernel(sampled_ptr, out_ptr, tokens_ptr, pos_ptr, offsets_ptr, active_ptr, n, seen_ptr, width,
+                    rows_ptr, pen_ptr, BLOCK: tl.constexpr, SEEN: tl.constexpr):
     i = tl.arange(0, BLOCK)
     ok = i < n
     ids = tl.load(sampled_ptr + i, mask=ok)
@@ -116,16 +132,26 @@ def _advance_kernel(sampled_ptr, out_ptr, tokens_ptr, pos_ptr, offsets_ptr, acti
     tl.store(tokens_ptr + i, ids, mask=ok)
     tl.store(pos_ptr + i, tl.load(pos_ptr + i, mask=ok) + act, mask=ok)
     tl.store(offsets_ptr + i, tl.load(offsets_ptr + i, mask=ok) + act, mask=ok)
+    if SEEN:
+        rows = tl.load(rows_ptr + i, mask=ok, other=0)
+        mark_bits(seen_ptr, width, rows, ids, tl.load(pen_ptr + i, mask=ok, other=1.0), ok)
 
 
 def advance_decode(sampled: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   offsets: torch.Tensor, active: torch.Tensor) -> None:
+                   offsets: torch.Tensor, active: torch.Tensor, seen: SeenSets | None = None) -> None:
     """`advance_decode_ref` in one launch: the sampled ids [B] into `out` (the host copy's source)
-    and `tokens` (the next inputs); positions and sampling offsets += active. All int64 [B]."""
+    and `tokens` (the next inputs); positions and sampling offsets += active. All int64 [B].
+    With `seen`, the sampled ids also join their rows' seen sets (rows whose penalty is not 1)."""
     n = sampled.shape[0]
     for name, t in (("sampled", sampled), ("out", out), ("tokens", tokens), ("positions", positions),
                     ("offsets", offsets), ("active", active)):
         _check_rows(name, t, n, torch.int64)
+    if seen is not None:
+        _check_rows("seen.rows", seen.rows, n, torch.int64)
+        _check_rows("seen.penalty", seen.penalty, n, torch.float32)
+        if seen.bits.dim() != 2 or seen.bits.dtype != torch.int32 or not seen.bits.is_contiguous():
+            raise ValueError("seen.bits must be a contiguous int32 [rows, W] tensor")
     if n:
-        _advance_kernel[(1,)](sampled, out, tokens, positions, offsets, active, n,
-                              BLOCK=triton.next_power_of_2(n), num_warps=1)
+        bits = (seen.bits, seen.bits.shape[1], seen.rows, seen.penalty) if seen else (sampled, 0, sampled, sampled)
+        _advance_kernel[(1,)](sampled, out, tokens, positions, offsets, active, n, *bits,
+                              BLOCK=triton.next_power_of_2(n), SEEN=seen is not None, num_warps=1)

@@ -29,6 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: seen tokens' logits / r (> 0) or * r (<= 0); 1 = off
     seed: int | None = None
     max_tokens: int | None = None  # None: up to the context limit
     stop_token_ids: tuple[int, ...] = DEFAULT_STOP_IDS
@@ -40,6 +41,8 @@ class SamplingParams:
             (math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
             (math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty must be > 0 (1 disables it)"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
         ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.penalty import apply_penalty_mask_ref
 from ..kernels.sampling import row_key, sample_ref, uniform_ref
 from .api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent, record_token
 from .checkpoint import ModelWeights
@@ -87,6 +88,21 @@ def _sample_unfiltered(logits: torch.Tensor, params: list[SamplingParams], seqs:
         u = uniform_ref(key, row.shape[0])[0]
         out.append(int((row / x.temperature - torch.log(-torch.log(u))).argmax()))
     return out
+
+
+def _penalised(logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+    """The logits with each row's repetition penalty applied over its prompt and generated tokens
+    (kernels.penalty's meaning); the same tensor when no row has one."""
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool)
+    for j, i in enumerate(rows):
+        seen[j, seqs[i].out.prompt_token_ids + seqs[i].out.token_ids] = True
+    penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rows], dtype=torch.float32)
+    logits = logits.clone()
+    logits[rows] = apply_penalty_mask_ref(logits[rows], seen, penalty)
+    return logits
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -171,6 +187,7 @@ class CpuEngine(Engine):
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
         """Rows without top-k/top-p/min-p take a sort-free path; the rest go through the twin."""
+        logits = _penalised(logits, seqs)
         tokens: list[int] = [0] * len(seqs)
         plain = [i for i, s in enumerate(seqs) if _unfiltered(s.params)]
         filtered = [i for i in range(len(seqs)) if i not in set(plain)]

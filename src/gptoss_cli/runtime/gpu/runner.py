@@ -25,8 +25,11 @@ import numpy as np
 import torch
 
 from ...kernels import SamplingRows, advance_decode, choose_num_splits, decode_slots, sample
+from ...kernels.decode_step import SeenSets
+from ...kernels.penalty import apply_penalty, mark_seen
 from .kv_cache import KvCache
 from .model import ForwardBatch, GpuModel
+from .seen_rows import SeenRows, has_penalty
 from .sequence import Sequence
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -67,6 +70,7 @@ class Runner:
         # Whole-prompt steps go through the padded prompt step (a graph where captured); the CPU
         # tests turn it on to run the padded step eagerly.
         self.pad_prompts = self.use_graphs
+        self.seen = SeenRows(kv.full_table.shape[0], model.w.lm_head.shape[0], self.device)
         self._alloc_static()
         self._alloc_prompt_static()
 
@@ -83,10 +87,24 @@ class Runner:
         if sampled:
             seqs = [chunks[i][0] for i in sampled]
             params = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in _sampling_host(seqs)]
-            ids = sample(logits, *params).tolist()
-            for i, tok in zip(sampled, ids):
+            seen = self._eager_seen(seqs)
+            if seen is not None:
+                apply_penalty(logits, seen.bits, seen.rows, seen.penalty)
+            ids = sample(logits, *params)
+            if seen is not None:
+                mark_seen(seen.bits, seen.rows, ids, seen.penalty, self.seen.vocab)
+            for i, tok in zip(sampled, ids.tolist()):
                 tokens[i] = tok
         return tokens
+
+    def _eager_seen(self, seqs: list[Sequence]) -> SeenSets | None:
+        """The penalty's operands for an eager step's sampled rows; None when none has a penalty."""
+        if not any(has_penalty(s) for s in seqs):
+            return None
+        self.seen.prepare(seqs)
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.int64).to(self.device, non_blocking=True)
+        pen = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32)
+        return SeenSets(self.seen.bits, rows, pen.to(self.device, non_blocking=True))
 
     def logits_all(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Logits of every token of the chunks (diagnostics: engine-vs-reference checks)."""
@@ -144,6 +162,7 @@ class Runner:
         if bucket is None:
             raise ValueError(f"no prompt bucket for {n} tokens ending the prompt")
         self._graph_seqs = None  # as for any eager step: the decode buffers must be reloaded
+        self.seen.prepare([seq])
         self._load_prompt(seq, n, bucket)
         if bucket in self._prompt_graphs:
             self._prompt_graphs[bucket].replay()
@@ -160,8 +179,9 @@ class Runner:
         # cu_seqlens [2], ctx_lens [1], top_k [1]
         self._p_host32 = torch.zeros(4, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._p_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
-        self._p_hostf = torch.zeros(3, dtype=torch.float32, pin_memory=dev.type == "cuda")
-        self._p_f32 = torch.zeros(3, dtype=torch.float32, device=dev)  # temperature, top_p, min_p
+        self._p_hostf = torch.zeros(4, dtype=torch.float32, pin_memory=dev.type == "cuda")
+        # temperature, top_p, min_p, repetition penalty
+        self._p_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._p_out = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def _load_prompt(self, seq: Sequence, n: int, bucket: int) -> None:
@@ -178,12 +198,13 @@ class Runner:
         h[4 * p:4 * p + 4] = (seq.row, n - 1, seq.seed, seq.num_generated)
         self._p_host32.numpy()[:] = (0, n, start, seq.params.top_k)
         sp = seq.params
-        self._p_hostf.numpy()[:] = (sp.temperature, sp.top_p, sp.min_p)
+        self._p_hostf.numpy()[:] = (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty)
         for dst, src in ((self._p_i64, self._p_host), (self._p_i32, self._p_host32), (self._p_f32, self._p_hostf)):
             dst.copy_(src, non_blocking=True)
 
     def _prompt_body(self, bucket: int) -> None:
-        """The captured prompt step for one sequence padded to `bucket` tokens: forward, sample."""
+        """The captured prompt step for one sequence padded to `bucket` tokens: forward, penalty,
+        sample, and the sampled id into the seen set (the penalty kernels exit at penalty 1)."""
         p, i64, i32, f32 = self._p_len, self._p_i64, self._p_i32, self._p_f32
         row, last, seed, offset = (i64[4 * p + j:4 * p + j + 1] for j in range(4))
         batch = ForwardBatch(
@@ -193,14 +214,16 @@ class Runner:
             logits_rows=last, decode=False, cu_seqlens=i32[:2], ctx_lens=i32[2:3],
             max_seqlen_q=bucket, max_ctx_len=0)  # max_ctx_len: a hint prefill_attention does not need
         logits = self.model.forward(batch)
+        apply_penalty(logits, self.seen.bits, row, f32[3:4])
         self._p_out.copy_(sample(logits, f32[0:1], i32[3:4], f32[1:2], f32[2:3], seed, offset))
+        mark_seen(self.seen.bits, row, self._p_out, f32[3:4], self.seen.vocab)
 
     def _capture_prompts(self, pool, progress: Callable[[], None] | None) -> None:
         """One prompt graph per length bucket, largest first, into the decode graphs' pool. The
         buffers hold an empty chunk meanwhile (no real token: nothing attends, K/V go to scratch)."""
         self._p_i64.zero_()
         self._p_i32.zero_()
-        self._p_f32.copy_(torch.tensor([1.0, 1.0, 0.0]))  # temperature, top_p, min_p
+        self._p_f32.copy_(torch.tensor([1.0, 1.0, 0.0, 1.0]))  # temperature, top_p, min_p, penalty
         for b in sorted(self.prompt_buckets, reverse=True):
             pool, self._prompt_graphs[b] = self._capture(partial(self._prompt_body, b), pool)
             if progress:
@@ -250,6 +273,7 @@ class Runner:
             torch.zeros(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.int32, device=dev),
             torch.ones(m, dtype=torch.float32, device=dev), torch.zeros(m, dtype=torch.float32, device=dev),
             torch.zeros(m, dtype=torch.int64, device=dev), torch.zeros(m, dtype=torch.int64, device=dev))
+        self._s_penalty = torch.ones(m, dtype=torch.float32, device=dev)
         self._s_out = torch.zeros(m, dtype=torch.int64, device=dev)
         pin = dev.type == "cuda"
         self._host_out = [torch.zeros(m, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -268,19 +292,25 @@ class Runner:
         fills = (1.0, 0, 1.0, 0.0, 0, 0)
         for dst, src, fill in zip(self._s_sampling.args(), _sampling_host(seqs), fills):
             dst.copy_(torch.from_numpy(pad(src, fill)), non_blocking=True)
+        penalty = np.array([s.params.repetition_penalty for s in seqs], np.float32)
+        self._s_penalty.copy_(torch.from_numpy(pad(penalty, 1.0)), non_blocking=True)
+        self.seen.prepare(seqs)  # normally a no-op: each sequence sampled its first token eagerly
         self._graph_seqs = list(seqs)
 
     def _decode_body(self, b: int) -> None:
-        """The captured step for bucket b: forward, sample, advance inputs in place (the
-        bookkeeping on either side of the forward is one launch each: kernels.decode_step)."""
+        """The captured step for bucket b: forward, repetition penalty (its programs exit at
+        penalty 1), sample, advance inputs in place (the bookkeeping on either side of the forward
+        is one launch each: kernels.decode_step)."""
         tok, pos, rows, active = self._s_tokens[:b], self._s_positions[:b], self._s_rows[:b], self._s_active[:b]
         m = decode_slots(pos, rows, active, self.kv.full_table, self.kv.slide_table, self.block_size)
         batch = ForwardBatch(tok, pos, m.full_slots, m.slide_slots, m.full_tables, m.slide_tables, None, True,
                              m.seq_lens, self._splits[b])
         logits = self.model.forward(batch)
+        seen = SeenSets(self.seen.bits, rows, self._s_penalty[:b])
+        apply_penalty(logits, seen.bits, seen.rows, seen.penalty)
         s = self._s_sampling
         nxt = sample(logits, *(t[:b] for t in s.args()))
-        advance_decode(nxt, self._s_out[:b], tok, pos, s.offsets[:b], active)
+        advance_decode(nxt, self._s_out[:b], tok, pos, s.offsets[:b], active, seen)
 
     def capture(self, max_context: int, progress: Callable[[int, int], None] | None = None) -> None:
         """Warm up (compile) and capture one decode graph per batch bucket and one prompt graph per
