@@ -678,6 +678,20 @@ def test_one_shot_routes_flags(fake, tok, tmp_path):
     assert stopped.exit_code == 0 and stopped.stdout == "The\n" and fake.engine.aborted
 
 
+def test_verbose_adds_ollamas_timing_block(fake, tok):
+    plain = run_cli(["chat", "-m", "x", "--no-stats", "q"])
+    assert plain.exit_code == 0 and "eval rate" not in plain.stderr
+    result = run_cli(["--verbose", "chat", "-m", "x", "--no-stats", "q"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "The answer.\n"  # the block is on stderr only
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in result.stderr.splitlines() if ":" in line}
+    for name in ("total duration", "prompt eval count", "prompt eval duration", "prompt eval rate", "eval count",
+                 "eval duration", "eval rate"):
+        assert name in lines, name
+    prompt = len(fake.engine.prompts[-1])
+    assert lines["prompt eval count"].startswith(f"{prompt} token(s), 0 more from the prefix cache")
+
+
 SCHEMA = {"title": "city facts", "type": "object", "properties": {"pop": {"type": "integer"}}, "required": ["pop"]}
 
 

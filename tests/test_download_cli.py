@@ -35,7 +35,8 @@ def _repo_files() -> dict[str, bytes]:
     index = {"metadata": {}, "weight_map": {"a": SHARDS[0], "b": SHARDS[1]}}
     return {
         "README.md": b"# tiny\n",
-        "config.json": json.dumps({"num_hidden_layers": 2, "noise": os.urandom(4).hex()}).encode(),
+        "config.json": json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 2,
+                                   "noise": os.urandom(4).hex()}).encode(),
         "tokenizer.json": os.urandom(5_001),
         "model.safetensors.index.json": json.dumps(index).encode(),
         SHARDS[0]: os.urandom(200_003),
@@ -95,6 +96,9 @@ def test_download_verifies_files_and_prints_the_path_last(fake, tmp_path):
     assert not (path / "original").exists() and not (path / "metal").exists()
     assert f"downloaded {len(ROOT_FILES)} files" in result.stderr
     assert hub.find_local_model("20b", cache_dir=tmp_path / "cache") == path
+    listed = run_cli(["models", "--cache-dir", str(tmp_path / "cache")])
+    assert listed.exit_code == 0 and listed.stdout.splitlines()[1].split()[0] == "20b"
+    assert listed.stdout.splitlines()[1].split()[-2:] == ["ready", str(path)]
 
 
 def test_rerun_skips_complete_files_without_requests(fake, tmp_path):

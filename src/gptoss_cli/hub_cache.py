@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 _CHUNK = 8 * 1024 * 1024
@@ -115,3 +116,56 @@ def looks_complete(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(shards) and all(os.path.isfile(folder / s) for s in shards)
+
+
+@dataclass(frozen=True)
+class LocalCheckpoint:
+    """One gpt-oss snapshot in the Hugging Face cache."""
+
+    repo_id: str
+    commit: str
+    refs: tuple[str, ...]  # branch or tag names pointing at this commit (e.g. "main")
+    path: Path  # the snapshot folder
+    size: int  # bytes of the files the snapshot holds (each blob once)
+    complete: bool  # config.json and every shard its index names are present
+
+
+def local_checkpoints(cache_dir: Path) -> list[LocalCheckpoint]:
+    """Every snapshot in `cache_dir` whose config.json says model_type gpt_oss, sorted by repo id;
+    other models in a shared cache are not listed. Reads only the local folders."""
+    found = []
+    for repo in sorted(cache_dir.glob("models--*")):
+        repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
+        refs: dict[str, list[str]] = {}
+        for ref in sorted((repo / "refs").glob("*")):
+            try:
+                refs.setdefault(ref.read_text().strip(), []).append(ref.name)
+            except OSError:
+                continue
+        for snap in sorted((repo / "snapshots").glob("*")):
+            if _model_type(snap / "config.json") == "gpt_oss":
+                found.append(LocalCheckpoint(repo_id, snap.name, tuple(refs.get(snap.name, ())), snap,
+                                             _snapshot_bytes(snap), looks_complete(snap)))
+    return found
+
+
+def _model_type(config: Path) -> str | None:
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
+
+
+def _snapshot_bytes(folder: Path) -> int:
+    """Sizes of the files under a snapshot, each resolved blob counted once (a dangling link: 0)."""
+    seen, total = set(), 0
+    for f in folder.rglob("*"):
+        try:
+            target = f.resolve()
+            if target.is_file() and target not in seen:
+                seen.add(target)
+                total += target.stat().st_size
+        except OSError:
+            continue
+    return total

@@ -1,4 +1,4 @@
-"""The `gptoss` command line: download, chat, run, bench.
+"""The `gptoss` command line: download, chat, run, bench, config, models.
 
 `main()` runs the Typer app and turns every failure into one line plus a documented exit code
 (see errors.py). Command modules are imported here so they register on the app.
@@ -22,6 +22,7 @@ from . import run as _run  # noqa: E402,F401
 from . import chat as _chat  # noqa: E402,F401
 from . import bench as _bench  # noqa: E402,F401
 from . import config_cmd as _config_cmd  # noqa: E402,F401
+from . import list_models as _list_models  # noqa: E402,F401
 
 
 def _debug_requested(argv: list[str]) -> bool:

@@ -34,10 +34,13 @@ def main_options(
     ctx: typer.Context,
     color: Annotated[str, typer.Option(help="Colour output: auto, always or never.", envvar="GPTOSS_COLOR")] = "auto",
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="chat: after each reply, a timing block on stderr (ollama's --verbose, with the "
+                          "prefix-cache and reasoning counts).")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Global options."""
     if color not in COLOR_CHOICES:
         raise typer.BadParameter(f"must be one of {', '.join(COLOR_CHOICES)}", param_hint="--color")
-    ctx.obj = make_ui(color, debug)
+    ctx.obj = make_ui(color, debug, verbose)

@@ -81,6 +81,8 @@ class ChatRenderer:
             self.ui.warn(f"--json-schema: {result.json_problem}")
         if self.session.settings.stats:
             self.ui.err.print(Text(stats_line(result.stats), style="dim"), soft_wrap=True)
+        if self.ui.verbose:
+            self.ui.err.print(Text(verbose_block(result.stats), style="dim"), soft_wrap=True)
 
     def interrupted(self) -> None:
         self.ui.err.print(Text("[interrupted]", style="yellow"))
@@ -287,6 +289,22 @@ def stats_line(stats: TurnStats) -> str:
     if stats.format_errors:
         parts.append(f"{stats.format_errors} format error{'s' if stats.format_errors > 1 else ''}")
     return " · ".join(parts)
+
+
+def verbose_block(stats: TurnStats) -> str:
+    """ollama's --verbose summary, in its words: durations, counts and rates of the prompt (the
+    tokens actually computed, after the prefix cache) and of the generated tokens."""
+    ttft = stats.ttft or 0.0
+    computed = stats.prompt_tokens - stats.cached_prompt_tokens
+    rows = [("total duration", f"{ttft + stats.decode_seconds:.3f}s"),
+            ("prompt eval count", f"{computed} token(s), {stats.cached_prompt_tokens} more from the prefix cache"),
+            ("prompt eval duration", f"{ttft:.3f}s"),
+            ("prompt eval rate", f"{computed / ttft:.2f} tokens/s" if ttft > 0 else "n/a"),
+            ("eval count", f"{stats.generated_tokens} token(s), {stats.reasoning_tokens} of them reasoning"),
+            ("eval duration", f"{stats.decode_seconds:.3f}s")]
+    rate = stats.decode_tokens_per_second
+    rows.append(("eval rate", f"{rate:.2f} tokens/s" if rate is not None else "n/a"))
+    return "\n".join(f"{name + ':':<22}{value}" for name, value in rows)
 
 
 def toolbar_text(session: ChatSession, context_used: int) -> str:

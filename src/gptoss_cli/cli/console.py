@@ -24,6 +24,7 @@ class Ui:
     out: Console
     err: Console
     debug: bool = False
+    verbose: bool = False  # --verbose: chat adds a timing block after each reply
 
     @property
     def interactive(self) -> bool:
@@ -42,7 +43,7 @@ class Ui:
             self.err.print(f"[dim]hint: {escape(hint)}[/]", soft_wrap=True)
 
 
-def make_ui(color: str = "auto", debug: bool = False) -> Ui:
+def make_ui(color: str = "auto", debug: bool = False, verbose: bool = False) -> Ui:
     """Consoles bound to the current sys.stdout/sys.stderr (so test runners can capture them)."""
     if os.environ.get("TERM") == "dumb" and color == "auto":
         color = "never"
@@ -53,4 +54,4 @@ def make_ui(color: str = "auto", debug: bool = False) -> Ui:
         kwargs = {"force_terminal": True}
     out = Console(file=sys.stdout, highlight=False, soft_wrap=True, **kwargs)
     err = Console(file=sys.stderr, highlight=False, **kwargs)
-    return Ui(out=out, err=err, debug=debug)
+    return Ui(out=out, err=err, debug=debug, verbose=verbose)
