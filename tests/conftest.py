@@ -28,6 +28,7 @@ def _no_user_config(monkeypatch, tmp_path_factory):
     """The developer's own ~/.config/gptoss/config.toml must not change what the CLI tests see."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "no-xdg-config"))
     monkeypatch.delenv("GPTOSS_CONFIG", raising=False)
+    monkeypatch.delenv("GPTOSS_HOME", raising=False)  # chat state goes where each test says
 
 
 @pytest.fixture

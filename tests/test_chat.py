@@ -585,6 +585,14 @@ def test_repl_sigint_before_the_turn_starts_keeps_the_message_for_retry(tok, mon
     assert [m.content for m in session.messages if m.role == "user"] == ["question"]
 
 
+def test_gptoss_home_holds_conversations_and_history(tmp_path, monkeypatch):
+    from gptoss_cli.cli.chat_store import history_path
+
+    monkeypatch.setenv("GPTOSS_HOME", str(tmp_path / "home"))
+    assert ChatStore().root == tmp_path / "home" / "conversations"
+    assert history_path() == tmp_path / "home" / "history"
+
+
 def test_repl_history_file_is_private(tok, tmp_path):
     from gptoss_cli.cli.chat_store import history_path
 

@@ -107,3 +107,36 @@ def test_positional_model_wins_over_model_from_environment_or_file(config, monke
     r = run_cli(["bench", "random:nope2"])
     assert r.exit_code == 4 and "random:nope2" in r.stderr and "two models" not in r.stderr
     assert "two models" in run_cli(["bench", "random:nope2", "--model", "random:nope3"]).stderr
+
+
+def test_global_config_flag_names_the_file(config, tmp_path, monkeypatch):
+    # --config FILE before the command stands for GPTOSS_CONFIG=FILE during the run, and only then.
+    config('effort = "low"\n')  # the XDG file, which --config replaces
+    other = tmp_path / "other.toml"
+    other.write_text('effort = "extreme"\n')
+    r = run_cli(["--config", str(other), "bench", "-m", "random:nope"])
+    _one_line_error(r, "'extreme'", f"effort in {other}")
+    assert run_cli([f"--config={other}", "config", "path"]).stdout.strip() == str(other)
+    assert run_cli(["bench", "-m", "random:nope"]).exit_code == 4  # the XDG file again
+    missing = run_cli(["--config", str(tmp_path / "missing.toml"), "chat", "hi"])
+    _one_line_error(missing, "missing.toml", "--config or GPTOSS_CONFIG")
+    assert "config = " not in run_cli(["config", "show"]).stdout
+    config('config = "x.toml"\n')  # a file cannot name another file
+    _one_line_error(run_cli(["chat", "hi"]), "config is not an option")
+
+
+def test_global_model_flag_is_the_default_model(config, monkeypatch):
+    # --model before the command is the default of every command's -m (as GPTOSS_MODEL, which it
+    # beats); the command's own -m wins; a top-level `model` key in the file still reaches commands.
+    monkeypatch.setenv("GPTOSS_MODEL", "random:from-env")
+    r = run_cli(["--model", "random:global", "chat", "hi"])
+    assert r.exit_code == 4 and "random:global" in r.stderr
+    r = run_cli(["--model", "random:global", "chat", "-m", "random:own", "hi"])
+    assert r.exit_code == 4 and "random:own" in r.stderr
+    import os
+
+    assert os.environ["GPTOSS_MODEL"] == "random:from-env"  # restored after the in-process run
+    monkeypatch.delenv("GPTOSS_MODEL")
+    config('model = "random:from-file"\n')
+    r = run_cli(["run", "-", "-o", "-"], input='{"prompt": "x"}\n')
+    assert "random:from-file" in r.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 
 from rich.markup import escape
 
@@ -54,6 +55,33 @@ def _click_exceptions():
 
 
 def _invoke(args: list[str]) -> int:
+    """The global --config and --model stand for GPTOSS_CONFIG and GPTOSS_MODEL during this run
+    (so a command's own -m, and flags generally, still win over them)."""
+    with _scoped_env("GPTOSS_CONFIG", config_file.global_value(args, "--config")), \
+            _scoped_env("GPTOSS_MODEL", config_file.global_value(args, "--model")):
+        return _invoke_command(args)
+
+
+@contextmanager
+def _scoped_env(name: str, value: str | None):
+    """os.environ[name] = value for the block (nothing when value is None), then as it was: a
+    global flag that stands for an environment variable (--config for GPTOSS_CONFIG, --model for
+    GPTOSS_MODEL) must not outlive its run when main() is called in-process."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _invoke_command(args: list[str]) -> int:
     from ..runtime.errors import GptossError
 
     exit_types, abort_types, click_errors = _click_exceptions()

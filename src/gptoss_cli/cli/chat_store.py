@@ -1,5 +1,6 @@
 """Where chat state lives on disk, readable by the user only: the XDG data dir (conversations,
-autosaved) and state dir (input history). Nothing else is written unless the user names a path."""
+autosaved) and state dir (input history), or both in $GPTOSS_HOME when it is set. Nothing else is
+written unless the user names a path."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from pathlib import Path
 from ..runtime.errors import GptossError
 
 def data_dir() -> Path:
+    if os.environ.get("GPTOSS_HOME"):
+        return Path(os.environ["GPTOSS_HOME"]).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "gptoss"
 
 
 def state_dir() -> Path:
+    if os.environ.get("GPTOSS_HOME"):
+        return Path(os.environ["GPTOSS_HOME"]).expanduser()
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "gptoss"
 

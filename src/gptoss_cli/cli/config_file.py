@@ -20,11 +20,15 @@ from .errors import UsageError
 
 # Options a file must not set: they act before any command (help, version, completion) or only
 # as a flag on the command line (--debug is read from argv).
-NOT_SETTABLE = frozenset({"help", "version", "install_completion", "show_completion", "debug"})
+NOT_SETTABLE = frozenset({"help", "version", "install_completion", "show_completion", "debug", "config"})
+# The global --model stands for GPTOSS_MODEL (cli/__init__.py); a top-level `model` key keeps
+# meaning every command's -m.
+COMMAND_ONLY = frozenset({"model"})
 FIX_HINT = "fix the file, or point GPTOSS_CONFIG at another one"
 
 
 def config_path() -> Path:
+    """$GPTOSS_CONFIG (which the global --config sets for its run), else the XDG location."""
     explicit = os.environ.get("GPTOSS_CONFIG")
     if explicit:
         return Path(explicit).expanduser()
@@ -51,7 +55,8 @@ def load(group) -> Settings | None:
     path = config_path()
     if not path.is_file():
         if os.environ.get("GPTOSS_CONFIG"):
-            raise UsageError(f"config file {path} (GPTOSS_CONFIG) does not exist", "create it, or unset GPTOSS_CONFIG")
+            raise UsageError(f"config file {path} (--config or GPTOSS_CONFIG) does not exist",
+                             "create it, or name another file")
         return None
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -104,7 +109,7 @@ def _set_everywhere(settings: Settings, group, key: str, value) -> None:
     """A top-level key: the global option of that name, else that option of every command."""
     norm = _normal(key)
     param = settable_options(group).get(norm)
-    if param is not None:
+    if param is not None and param.name not in COMMAND_ONLY:
         _set(settings, "", param, key, value)
         return
     found = False
@@ -145,17 +150,39 @@ def _checked_value(path: Path, where: str, param, value):
     return [str(value)] if param.multiple else value
 
 
-def command_name(args: list[str]) -> str | None:
-    """The subcommand an argv names (skipping the global --color value), or None."""
+# Global options that take a value as the next word (`--color never`).
+_GLOBAL_VALUES = ("--color", "--model", "--config")
+
+
+def _global_words(args: list[str]) -> list[str]:
+    """The argv words before the subcommand's name."""
     i = 0
     while i < len(args):
-        arg = args[i]
-        if arg == "--color":
+        if args[i] in _GLOBAL_VALUES:
             i += 2
-            continue
-        if not arg.startswith("-"):
-            return arg
-        i += 1
+        elif args[i].startswith("-"):
+            i += 1
+        else:
+            break
+    return args[:i]
+
+
+def command_name(args: list[str]) -> str | None:
+    """The subcommand an argv names (skipping the global options' values), or None."""
+    rest = args[len(_global_words(args)):]
+    return rest[0] if rest else None
+
+
+def global_value(args: list[str], flag: str) -> str | None:
+    """The value of a global option (`--config FILE` or `--config=FILE`) given before the
+    subcommand, or None. --config is read before click parses anything, because the file's
+    settings become the defaults click parses with."""
+    words = _global_words(args)
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
     return None
 
 

@@ -22,8 +22,7 @@ _HEADER = ("MODEL", "REVISION", "SIZE", "STATUS", "PATH")
 
 @app.command("models")
 def models_command(ctx: typer.Context, cache_dir: CacheDirOpt = None, as_json: JsonOpt = False) -> None:
-    """List the downloaded gpt-oss checkpoints: the name to pass with -m, revision, size, whether
-    complete, and folder."""
+    """List the downloaded gpt-oss checkpoints: name for -m, revision, size, completeness, folder."""
     from huggingface_hub import constants
 
     from ..hub import format_bytes
