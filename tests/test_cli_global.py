@@ -38,3 +38,24 @@ def test_missing_model_is_one_line_with_hint(tmp_path):
 def test_debug_shows_traceback(tmp_path):
     r = run_cli(["--debug", "chat", "--model", str(tmp_path / "nope"), "hi"])
     assert r.exit_code == 4 and "Traceback" in r.stderr
+
+
+def _complete(words: str, cword: int) -> list[str]:
+    """What bash completion offers for COMP_WORDS / COMP_CWORD (Typer's completion protocol)."""
+    import os
+
+    env = {**os.environ, "_GPTOSS_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+    proc = subprocess.run([sys.executable, "-c", "from gptoss_cli.cli import main; main()"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc.stdout.split()
+
+
+def test_shell_completion_of_models_choices_and_folders(tmp_path):
+    assert _complete("gptoss chat --effort ", 3) == ["low", "medium", "high"]
+    assert _complete("gptoss chat -m random:", 3) == ["random:tiny", "random:20b", "random:120b"]
+    assert _complete("gptoss chat --reasoning c", 3) == ["collapse"]
+    assert _complete("gptoss --color n", 2) == ["never"]
+    (tmp_path / "ckpt-a").mkdir()
+    (tmp_path / "ckpt-b").mkdir()
+    (tmp_path / "ckpt-file").write_text("x")
+    assert _complete(f"gptoss bench -m {tmp_path}/ck", 3) == [f"{tmp_path}/ckpt-a/", f"{tmp_path}/ckpt-b/"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from cli_helpers import run_cli
+
 from gptoss_cli.hub_cache import local_checkpoints
 
 

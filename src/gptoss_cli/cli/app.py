@@ -12,6 +12,7 @@ import typer
 
 from .. import __version__
 from .console import COLOR_CHOICES, make_ui
+from .options import complete_choices
 
 app = typer.Typer(
     name="gptoss",
@@ -35,7 +36,8 @@ def main_options(
     model: Annotated[str | None, typer.Option(
         "--model", show_default=False,
         help="Default model of chat, run and bench (as GPTOSS_MODEL); their own -m wins.")] = None,
-    color: Annotated[str, typer.Option(help="Colour output: auto, always or never.", envvar="GPTOSS_COLOR")] = "auto",
+    color: Annotated[str, typer.Option(help="Colour output: auto, always or never.", envvar="GPTOSS_COLOR",
+                                       autocompletion=complete_choices(COLOR_CHOICES))] = "auto",
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
     verbose: Annotated[bool, typer.Option(
         "--verbose", help="chat: after each reply, a timing block on stderr (ollama's --verbose, with the "

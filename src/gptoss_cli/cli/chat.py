@@ -23,6 +23,7 @@ from .app import app
 from .errors import UsageError
 from .options import (
     DEFAULT_EFFORT,
+    REASONING_MODES,
     ContextOpt,
     EffortOpt,
     MaxTokensOpt,
@@ -35,6 +36,7 @@ from .options import (
     TopKOpt,
     TopPOpt,
     check_stop,
+    complete_choices,
     flag_message,
     option_typed,
 )
@@ -58,6 +60,7 @@ def chat(
         "--developer", "-s", help="Developer instructions (the system prompt): TEXT, or @FILE to read them.",
         show_default=False)] = None,
     reasoning: Annotated[str, typer.Option(
+        autocompletion=complete_choices(REASONING_MODES),
         help="Reasoning display: show, collapse (folded to one line on a terminal) or hide.")] = "collapse",
     temperature: TemperatureOpt = 1.0,
     top_p: TopPOpt = 1.0,

@@ -25,7 +25,8 @@ from ..runtime.errors import GptossError
 from . import errors
 from .chat_keys import interrupt_pending
 from .chat_render import ChatRenderer, context_text, model_text, settings_text, stops_text, toolbar_text
-from .chat_session import REASONING_MODES, SETTABLE, ChatSession, check_choice
+from .chat_session import SETTABLE, ChatSession, check_choice
+from .options import REASONING_MODES
 from .chat_store import ChatStore, make_private_dir, touch_private
 from .console import Ui
 from .text_files import TextFileError, read_text_file

@@ -22,6 +22,7 @@ from typing import Union
 from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
 from .json_answer import answer_problem, format_name
+from .options import REASONING_MODES
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
 from ..runtime.stop_strings import StopFilter, check_stops, is_answer_text
@@ -40,7 +41,6 @@ from ..runtime.harmony import (
     render_prompt,
 )
 
-REASONING_MODES = ("show", "collapse", "hide")
 TRUNCATE_MODES = ("none", "oldest")
 DEFAULT_REPLY_RESERVE = 1024  # tokens kept free for the reply when --max-tokens is unset
 SAVE_FORMAT = "gptoss-chat"

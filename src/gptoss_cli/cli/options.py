@@ -5,15 +5,43 @@ Sampling defaults follow OpenAI's recommendation for gpt-oss: temperature 1.0, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+MODEL_NAMES = ("20b", "120b", "random:tiny", "random:20b", "random:120b")
+EFFORTS = ("low", "medium", "high")
+DEFAULT_EFFORT = "medium"
+REASONING_MODES = ("show", "collapse", "hide")  # chat's reasoning display
+
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of -m: the model names, and directories once the word looks like a path."""
+    names = [n for n in MODEL_NAMES if n.startswith(incomplete)]
+    if incomplete.startswith((".", "/", "~")) or "/" in incomplete:
+        base = Path(incomplete).expanduser()
+        folder, stem = (base, "") if incomplete.endswith("/") else (base.parent, base.name)
+        try:
+            names += sorted(incomplete[: len(incomplete) - len(stem)] + p.name + "/"
+                            for p in folder.iterdir() if p.is_dir() and p.name.startswith(stem))
+        except OSError:
+            pass
+    return names
+
+
+def complete_choices(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """Shell completion of an option that takes one of `choices`."""
+    return lambda incomplete: [c for c in choices if c.startswith(incomplete)]
+
+
 ModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", envvar="GPTOSS_MODEL", show_envvar=True,
+    "--model", "-m", envvar="GPTOSS_MODEL", show_envvar=True, autocompletion=complete_model,
     help="20b, 120b, a checkpoint directory, or random:tiny|random:20b|random:120b (random weights, no download).")]
 EffortOpt = Annotated[str, typer.Option(
-    "--effort", envvar="GPTOSS_EFFORT", help="Reasoning effort: low, medium or high.")]
+    "--effort", envvar="GPTOSS_EFFORT", autocompletion=complete_choices(EFFORTS),
+    help="Reasoning effort: low, medium or high.")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.", min=0.0)]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].", min=0.0, max=1.0)]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the K most likely tokens; 0 = off.", min=0)]
@@ -31,10 +59,6 @@ StopOpt = Annotated[list[str] | None, typer.Option(
                    "Reasoning is not matched.")]
 ContextOpt = Annotated[int | None, typer.Option(
     "--context", "-c", help="Context length in tokens (prompt + output); default: the model's 131072.", min=16)]
-
-EFFORTS = ("low", "medium", "high")
-DEFAULT_EFFORT = "medium"
-
 
 def option_typed(ctx: typer.Context, name: str, env: bool = False) -> bool:
     """Whether the user gave option `name`: on the command line, or with `env` also through its
