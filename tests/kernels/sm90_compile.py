@@ -223,14 +223,19 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
 
 def _decode_step():
     from gptoss_cli.kernels import decode_step as ds
-    from gptoss_cli.kernels import rmsnorm
+    from gptoss_cli.kernels import penalty, rmsnorm
 
     i64 = {n: "*i64" for n in ("pos_ptr", "rows_ptr", "active_ptr", "full_slots_ptr", "slide_slots_ptr")}
     compile_sm90(ds._decode_slots_kernel, i64 | {n: "*i32" for n in ("full_ptr", "slide_ptr", "ft_ptr", "st_ptr",
                                                                        "seq_lens_ptr")},
                  {"BLOCK_SIZE": 64, "BLOCK": ds.TABLE_BLOCK})
-    compile_sm90(ds._advance_kernel, {n: "*i64" for n in ("sampled_ptr", "out_ptr", "tokens_ptr", "pos_ptr",
-                                                          "offsets_ptr", "active_ptr")}, {"BLOCK": 64}, num_warps=1)
+    advance = {n: "*i64" for n in ("sampled_ptr", "out_ptr", "tokens_ptr", "pos_ptr", "offsets_ptr", "active_ptr",
+                                   "rows_ptr")} | {"seen_ptr": "*i32", "pen_ptr": "*fp32"}
+    compile_sm90(ds._advance_kernel, advance, {"BLOCK": 64, "SEEN": True}, num_warps=1)
+    compile_sm90(penalty._apply_kernel, {"logits_ptr": "*bf16", "seen_ptr": "*i32", "rows_ptr": "*i64",
+                                         "pen_ptr": "*fp32"}, {"BLOCK_V": penalty.BLOCK})
+    compile_sm90(penalty._mark_kernel, {"seen_ptr": "*i32", "rows_ptr": "*i64", "ids_ptr": "*i64", "pen_ptr": "*fp32"},
+                 {"BLOCK_B": 64}, num_warps=1)
     compile_sm90(rmsnorm._rms_norm_kernel, {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                             "h_ptr": "*bf16", "ids_ptr": "*i64"},
                  {"HAS_RES": False, "STORE_H": True, "ROWS": 1, "BLOCK_C": 4096, "ROW_IDS": True}, num_warps=8)

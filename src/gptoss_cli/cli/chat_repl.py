@@ -82,8 +82,7 @@ def _set(session: ChatSession, out: ChatRenderer, arg: str) -> None:
 
 def _example(name: str) -> str:
     return {"temperature": "0.7", "top_p": "0.95", "top_k": "40", "min_p": "0.05", "repetition_penalty": "1.1",
-            "seed": "42",
-            "max_tokens": "2048", "stop": "\\n\\n", "context": "8192"}.get(name, "VALUE")
+            "seed": "42", "max_tokens": "2048", "stop": "\\n\\n", "context": "8192"}.get(name, "VALUE")
 
 
 def _effort(session: ChatSession, out: ChatRenderer, arg: str) -> None:

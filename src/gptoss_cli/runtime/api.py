@@ -29,7 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's: seen tokens' logits / r (> 0) or * r (<= 0); 1 = off
+    repetition_penalty: float = 1.0  # vLLM's: a seen token's logit l becomes l / r if l > 0, else l * r; 1 = off
     seed: int | None = None
     max_tokens: int | None = None  # None: up to the context limit
     stop_token_ids: tuple[int, ...] = DEFAULT_STOP_IDS
