@@ -45,7 +45,7 @@ def _complete(words: str, cword: int) -> list[str]:
     import os
 
     env = {**os.environ, "_GPTOSS_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
-    proc = subprocess.run([sys.executable, "-c", "from gptoss_cli.cli import main; main()"], env=env,
+    proc = subprocess.run([sys.executable, "-c", "from gptoss_cli.cli import main; main()"], env=env, check=False,
                           capture_output=True, text=True, timeout=60)
     return proc.stdout.split()
 

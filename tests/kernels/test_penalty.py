@@ -106,7 +106,7 @@ def test_mark_seen_matches_twin(device):
     ids = torch.tensor([999, 31, 7, 64], device=device)
     penalty = torch.tensor([1.2, 0.9, 1.0, 1.1], device=device)  # row 0 (padding) has penalty 1
     got, want = bits.clone(), bits.clone()
-    mark_seen(got, rows, ids, penalty, vocab)
+    mark_seen(got, rows, ids, penalty)
     mark_seen_ref(want, rows, ids, penalty)
     assert torch.equal(got, want)
     mask = seen_mask_ref(got, rows, vocab)
@@ -146,7 +146,7 @@ def test_bad_arguments_raise(device):
     with pytest.raises(ValueError, match="penalty must be"):
         apply_penalty(logits, bits, rows, penalty.double())
     with pytest.raises(ValueError, match="ids must be"):
-        mark_seen(bits, rows, rows.int(), penalty, 100)
+        mark_seen(bits, rows, rows.int(), penalty)
 
 
 @requires_gpu
@@ -163,11 +163,11 @@ def test_penalty_launches_in_a_cuda_graph():
     mark_seen_ref(want_bits, rows, ids, penalty)
     work_logits, work_bits = logits.clone(), bits.clone()
     apply_penalty(work_logits, work_bits, rows, penalty)  # compile outside the capture
-    mark_seen(work_bits, rows, ids, penalty, vocab)
+    mark_seen(work_bits, rows, ids, penalty)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         apply_penalty(work_logits, work_bits, rows, penalty)
-        mark_seen(work_bits, rows, ids, penalty, vocab)
+        mark_seen(work_bits, rows, ids, penalty)
     work_logits.copy_(logits)
     work_bits.copy_(bits)
     graph.replay()

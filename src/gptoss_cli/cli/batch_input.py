@@ -17,10 +17,10 @@ from typing import IO, Any
 from ..runtime.api import SamplingParams
 from ..runtime.harmony import DeveloperConfig, Message, ResponseFormat, from_openai_messages, tool_from_openai
 from ..runtime.stop_strings import check_stops
+from .options import EFFORTS
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 CHAT_URL = "/v1/chat/completions"
-EFFORTS = ("low", "medium", "high")
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 _READ_CHUNK = 1 << 20
 

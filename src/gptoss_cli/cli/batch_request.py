@@ -15,6 +15,8 @@ from ..runtime.harmony import SystemConfig, render_prompt
 from .batch_input import RequestSpec
 from .sampling_settings import SamplingSettings
 
+# Settings newer than the resume sidecar, with the value that means "not used".
+_ADDED_LATER = {"stop": [], "repetition_penalty": SamplingParams.repetition_penalty}
 # Seeds stay below 2**53 so that JSON readers that parse numbers as doubles keep them exact.
 _SEED_BITS = 53
 
@@ -30,13 +32,10 @@ class RunDefaults(SamplingSettings):
         SamplingParams(**self.sampling_values())  # ValueError names a bad flag's field
 
     def to_dict(self) -> dict:
-        """As JSON keeps it: stop as a list. Settings added later (stop, repetition_penalty) are
-        left out at their defaults, so that older sidecars still match a run without them."""
-        data = asdict(self)
-        stop = data.pop("stop")
-        if data["repetition_penalty"] == SamplingParams.repetition_penalty:
-            del data["repetition_penalty"]
-        return data | ({"stop": list(stop)} if stop else {})
+        """As JSON keeps it (stop as a list). Settings added after the sidecar format are left out
+        at their defaults, so that older sidecars still match a run that does not use them."""
+        data = asdict(self) | {"stop": list(self.stop)}
+        return {k: v for k, v in data.items() if k not in _ADDED_LATER or v != _ADDED_LATER[k]}
 
 
 def effort_for(spec: RequestSpec, defaults: RunDefaults) -> str | None:

@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 
 from .app import app
-from .console import Ui
+from .console import Ui, plain_table
 from .errors import UsageError
 from .options import DEFAULT_EFFORT, EffortOpt, ModelOpt, check_effort, option_typed
 
@@ -311,13 +311,6 @@ def write_text(console, text: str) -> None:
     """Exact text, no Rich markup or wrapping; flushed so that nothing waits in a buffer."""
     console.file.write(text)
     console.file.flush()
-
-
-def plain_table(headers: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns separated by two spaces: easy to read, grep and diff."""
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [headers, *rows]]
-    return "\n".join(lines) + "\n"
 
 
 def _explain(ui: Ui, results) -> None:

@@ -26,9 +26,9 @@ from . import errors
 from .chat_keys import interrupt_pending
 from .chat_render import ChatRenderer, context_text, model_text, settings_text, stops_text, toolbar_text
 from .chat_session import SETTABLE, ChatSession, check_choice
-from .options import REASONING_MODES
 from .chat_store import ChatStore, make_private_dir, touch_private
 from .console import Ui
+from .options import EFFORTS, REASONING_MODES
 from .text_files import TextFileError, read_text_file
 
 BLOCK = '"""'
@@ -86,7 +86,7 @@ def _example(name: str) -> str:
 
 
 def _effort(session: ChatSession, out: ChatRenderer, arg: str) -> None:
-    _choose(session, out, "effort", arg, ("low", "medium", "high"),
+    _choose(session, out, "effort", arg, EFFORTS,
             "the next reply re-reads the conversation (the system message changed)")
 
 
@@ -265,7 +265,7 @@ COMMANDS: dict[str, Command] = {
     "/set": Command(_set, "/set NAME VALUE", "temperature, top_p, top_k, min_p, repetition_penalty, seed, "
                     "max_tokens, stop (adds one; none clears), context",
                     SETTABLE + ("effort", "reasoning")),
-    "/effort": Command(_effort, "/effort low|medium|high", "reasoning effort", ("low", "medium", "high")),
+    "/effort": Command(_effort, "/effort low|medium|high", "reasoning effort", EFFORTS),
     "/reasoning": Command(_reasoning, "/reasoning show|collapse|hide", "how reasoning is displayed", REASONING_MODES),
     "/developer": Command(_developer, '/developer TEXT|"""…"""|off', "developer instructions (system prompt)",
                           ("off",)),

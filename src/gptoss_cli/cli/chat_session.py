@@ -22,7 +22,7 @@ from typing import Union
 from ..runtime.api import SamplingParams
 from .chat_store import ChatStore, new_conversation_id, now_text, write_private
 from .json_answer import answer_problem, format_name
-from .options import REASONING_MODES
+from .options import EFFORTS, REASONING_MODES
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
 from ..runtime.stop_strings import StopFilter, check_stops, is_answer_text
@@ -67,7 +67,7 @@ class ChatSettings(SamplingSettings):
 
     def __post_init__(self) -> None:
         self.stop = check_stops(self.stop)  # also a saved file's list
-        check_choice("effort", self.effort, ("low", "medium", "high"))
+        check_choice("effort", self.effort, EFFORTS)
         check_choice("reasoning", self.reasoning, REASONING_MODES)
         check_choice("truncate", self.truncate, TRUNCATE_MODES)
         if self.context is not None and self.context < 16:

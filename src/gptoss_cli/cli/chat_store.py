@@ -12,18 +12,19 @@ from pathlib import Path
 
 from ..runtime.errors import GptossError
 
-def data_dir() -> Path:
+def _xdg_dir(variable: str, default: str) -> Path:
+    """$GPTOSS_HOME when set, else <$variable or ~/default>/gptoss."""
     if os.environ.get("GPTOSS_HOME"):
         return Path(os.environ["GPTOSS_HOME"]).expanduser()
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "gptoss"
+    return Path(os.environ.get(variable) or str(Path.home() / default)) / "gptoss"
+
+
+def data_dir() -> Path:
+    return _xdg_dir("XDG_DATA_HOME", ".local/share")
 
 
 def state_dir() -> Path:
-    if os.environ.get("GPTOSS_HOME"):
-        return Path(os.environ["GPTOSS_HOME"]).expanduser()
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "gptoss"
+    return _xdg_dir("XDG_STATE_HOME", ".local/state")
 
 
 def history_path() -> Path:

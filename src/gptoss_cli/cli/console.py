@@ -43,6 +43,15 @@ class Ui:
             self.err.print(f"[dim]hint: {escape(hint)}[/]", soft_wrap=True)
 
 
+def plain_table(headers: list[str], rows: list[list[str]], right: bool = True) -> str:
+    """Columns separated by two spaces, right-aligned (numbers) or left-aligned (names, paths):
+    easy to read, grep and diff, the same in a pipe as on a terminal."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    align = str.rjust if right else str.ljust
+    lines = ["  ".join(align(c, w) for c, w in zip(line, widths)).rstrip() for line in [headers, *rows]]
+    return "\n".join(lines) + "\n"
+
+
 def make_ui(color: str = "auto", debug: bool = False, verbose: bool = False) -> Ui:
     """Consoles bound to the current sys.stdout/sys.stderr (so test runners can capture them)."""
     if os.environ.get("TERM") == "dumb" and color == "auto":

@@ -14,10 +14,11 @@ from pathlib import Path
 import typer
 
 from .app import app
+from .console import plain_table
 from .download import CacheDirOpt, JsonOpt
 from .models import ALIASES, DEFAULT_MODEL
 
-_HEADER = ("MODEL", "REVISION", "SIZE", "STATUS", "PATH")
+_HEADER = ["MODEL", "REVISION", "SIZE", "STATUS", "PATH"]
 
 
 @app.command("models")
@@ -39,9 +40,9 @@ def models_command(ctx: typer.Context, cache_dir: CacheDirOpt = None, as_json: J
         print(json.dumps(records, indent=2))
         return
     if records:
-        rows = [(r["model"], r["revision"] or r["commit"][:12], format_bytes(r["size_bytes"]),
-                 "ready" if r["complete"] else "incomplete", r["path"]) for r in records]
-        print(_table([_HEADER, *rows]))
+        rows = [[r["model"], r["revision"] or r["commit"][:12], format_bytes(r["size_bytes"]),
+                 "ready" if r["complete"] else "incomplete", r["path"]] for r in records]
+        print(plain_table(_HEADER, rows, right=False), end="")
     else:
         ui.note(f"no gpt-oss checkpoint in {cache}")
     for r in records:
@@ -54,8 +55,3 @@ def models_command(ctx: typer.Context, cache_dir: CacheDirOpt = None, as_json: J
     ui.note(f"default model: {os.environ.get('GPTOSS_MODEL') or DEFAULT_MODEL} (-m or GPTOSS_MODEL to change); "
             "folders from `download --local-dir` are not listed: pass them with -m DIR")
 
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-    """Left-aligned columns two spaces apart (plain text: the same in a pipe as on a terminal)."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

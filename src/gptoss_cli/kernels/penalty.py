@@ -104,10 +104,9 @@ def _apply_kernel(logits_ptr, stride_b, vocab, seen_ptr, width, rows_ptr, pen_pt
         tl.store(ptr, out.to(logits_ptr.dtype.element_ty), mask=hit)
 
 
-def _check(seen: torch.Tensor, rows: torch.Tensor, penalty: torch.Tensor, batch: int, vocab: int) -> None:
-    if seen.dim() != 2 or seen.dtype != torch.int32 or not seen.is_contiguous() or seen.shape[1] != seen_width(vocab):
-        raise ValueError(f"seen must be a contiguous int32 [rows, {seen_width(vocab)}] tensor, "
-                         f"got {seen.dtype} {tuple(seen.shape)}")
+def _check(seen: torch.Tensor, rows: torch.Tensor, penalty: torch.Tensor, batch: int, width: int) -> None:
+    if seen.dim() != 2 or seen.dtype != torch.int32 or not seen.is_contiguous() or seen.shape[1] != width:
+        raise ValueError(f"seen must be a contiguous int32 [rows, {width}] tensor, got {seen.dtype} {tuple(seen.shape)}")
     if rows.shape != (batch,) or rows.dtype != torch.int64 or not rows.is_contiguous():
         raise ValueError(f"rows must be a contiguous int64 [{batch}] tensor")
     if penalty.shape != (batch,) or penalty.dtype != torch.float32 or not penalty.is_contiguous():
@@ -120,7 +119,7 @@ def apply_penalty(logits: torch.Tensor, seen: torch.Tensor, rows: torch.Tensor, 
     """`apply_penalty_ref` on device, in place: logits [B, V] (unit stride along V), seen [rows, W]
     int32, rows [B] int64, penalty [B] float32 (> 0). No host sync: capturable."""
     batch, vocab = logits.shape
-    _check(seen, rows, penalty, batch, vocab)
+    _check(seen, rows, penalty, batch, seen_width(vocab))
     if logits.stride(1) != 1 or logits.device != seen.device:
         raise ValueError("logits must have unit stride along V and live on seen's device")
     if batch:
@@ -128,10 +127,11 @@ def apply_penalty(logits: torch.Tensor, seen: torch.Tensor, rows: torch.Tensor, 
             logits, logits.stride(0), vocab, seen, seen.shape[1], rows, penalty, BLOCK_V=BLOCK, num_warps=4)
 
 
-def mark_seen(seen: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor, vocab: int) -> None:
-    """`mark_seen_ref` on device: rows, ids [B] int64 (distinct rows where penalty != 1)."""
+def mark_seen(seen: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> None:
+    """`mark_seen_ref` on device: rows, ids [B] int64 (distinct rows where penalty != 1; ids are
+    sampled, so inside the vocabulary the bits were sized for)."""
     batch = ids.shape[0]
-    _check(seen, rows, penalty, batch, vocab)
+    _check(seen, rows, penalty, batch, seen.shape[-1])
     if ids.shape != (batch,) or ids.dtype != torch.int64 or ids.device != seen.device:
         raise ValueError(f"ids must be an int64 [{batch}] tensor on seen's device")
     if batch:

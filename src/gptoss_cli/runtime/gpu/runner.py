@@ -92,7 +92,7 @@ class Runner:
                 apply_penalty(logits, seen.bits, seen.rows, seen.penalty)
             ids = sample(logits, *params)
             if seen is not None:
-                mark_seen(seen.bits, seen.rows, ids, seen.penalty, self.seen.vocab)
+                mark_seen(seen.bits, seen.rows, ids, seen.penalty)
             for i, tok in zip(sampled, ids.tolist()):
                 tokens[i] = tok
         return tokens
@@ -216,7 +216,7 @@ class Runner:
         logits = self.model.forward(batch)
         apply_penalty(logits, self.seen.bits, row, f32[3:4])
         self._p_out.copy_(sample(logits, f32[0:1], i32[3:4], f32[1:2], f32[2:3], seed, offset))
-        mark_seen(self.seen.bits, row, self._p_out, f32[3:4], self.seen.vocab)
+        mark_seen(self.seen.bits, row, self._p_out, f32[3:4])
 
     def _capture_prompts(self, pool, progress: Callable[[], None] | None) -> None:
         """One prompt graph per length bucket, largest first, into the decode graphs' pool. The
@@ -293,8 +293,9 @@ class Runner:
         for dst, src, fill in zip(self._s_sampling.args(), _sampling_host(seqs), fills):
             dst.copy_(torch.from_numpy(pad(src, fill)), non_blocking=True)
         penalty = np.array([s.params.repetition_penalty for s in seqs], np.float32)
+        # No seen.prepare here: a decoding sequence sampled its first token in an eager or prompt
+        # step on this row, which built the row's bits.
         self._s_penalty.copy_(torch.from_numpy(pad(penalty, 1.0)), non_blocking=True)
-        self.seen.prepare(seqs)  # normally a no-op: each sequence sampled its first token eagerly
         self._graph_seqs = list(seqs)
 
     def _decode_body(self, b: int) -> None:
