@@ -142,6 +142,7 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
 # Tile specs for both gemms: gemm2's own K step and register cap (MoeConfig.block_k2 / maxnreg2) unset.
 BOTH_GEMMS = {"block_k2": 0, "maxnreg2": None}
 GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
+F16_GEMV = {"gemv_mma": False, "block_n1": 16, "block_n2": 8, "block_k": 512, "block_k2": 0}
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: the
     # same asm with the weights as wgmma's register operand (swap_ab)
@@ -186,12 +187,19 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # T=1 before the matrix-vector kernels: 32-column tiles, K step 128, gemm2 split in 2
     "tiled": {"gemv": False, "gemv_f16": False, "block_n1": 32, "block_n2": 32, "block_k": 128, "split_k": 2},
     "gemv": GEMV,
-    "gemv-fp32": {"gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
-    "f16-k256": {"block_k": 256},
-    "f16-n32": {"block_n1": 32},
-    "f16-n2-16": {"block_n2": 16},  # session 4-5's gemm2 default
-    "f16-n1-8": {"block_n1": 8},
+    "gemv-fp32": {"gemv_mma": False, "gemv_f16": False},  # session 3's T=1 default: dequantise to fp32, then FMA
+    # T=1 in packed fp16 for both gemvs (session 21's default), and variations of it
+    "f16-old": F16_GEMV,
+    "f16-k256": F16_GEMV | {"block_k": 256},
+    "f16-n32": F16_GEMV | {"block_n1": 32},
+    "f16-n2-16": F16_GEMV | {"block_n2": 16},  # session 4-5's gemm2 default
+    "f16-n1-8": F16_GEMV | {"block_n1": 8},
     "fused-router": {"fused_router": True},  # logits inside the top-k kernel (moe_router.py)
+    # gemv1 on the tensor cores (MoeConfig.gemv_mma, moe_gemv_mma.py; the default): block columns per
+    # asm step = block_k / 32 / K splits, splits = 4 warps / pairs of 16-row tiles per program.
+    "mma-n32": {"block_n1": 16, "block_k": 512},  # 1 pair: 4 splits x 4 columns
+    "mma-k128": {"block_k": 128},  # 2 pairs: 2 splits x 2 columns
+    "mma-both": {"block_n2": 32, "block_k2": 256},  # gemv2 on mma too: 1 pair, 4 splits x 2 columns
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
     "k128": {"block_k": 128} | BOTH_GEMMS,
@@ -226,7 +234,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "f16-n1-8", "f16-n32", "f16-n2-16"],
+    1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],

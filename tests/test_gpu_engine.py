@@ -233,6 +233,29 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
     assert eng.runner._graph_seqs is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma gemv is inline PTX: GPU only")
+def test_mma_gemv_batch1_decode_matches_reference(ref, monkeypatch):
+    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step, so its batch-1 steps take the
+    # packed-fp16 gemv; with K steps of 128 gemv1 runs on the tensor cores (MoeConfig.gemv_mma)
+    # through the prompt and decode graphs, and still equals the reference.
+    import dataclasses
+
+    from gptoss_cli.kernels import moe, moe_gemv
+
+    pick = moe.pick_config
+    assert pick(1, 32, 4).gemv_mma
+    runs = []
+    fits = moe_gemv.mma_fits
+    monkeypatch.setattr(moe_gemv, "mma_fits", lambda *a: runs.append(fits(*a)) or runs[-1])
+    monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
+        pick(t, e, k, frag), block_k=128) if t == 1 else pick(t, e, k, frag))
+    eng = _graph_engine(max_batch=1)
+    prompt = _prompt(9, 53)
+    assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
+    assert eng.runner._graph_seqs is not None
+    assert any(runs)
+
+
 def test_128_experts_like_120b_match_reference():
     # gpt-oss-120b differs from 20b in its 128 experts (and 36 layers): the routing and tile tables
     # with most experts empty (prefill), and at T = 1 the fused router with the top-k in gemv1 over

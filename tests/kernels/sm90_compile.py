@@ -197,26 +197,32 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          experts: int = 0):
+          experts: int = 0, mma: bool = False):
     """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk). The
-    weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group)."""
+    weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group); with `mma`
+    (MoeConfig.gemv_mma) they are 4-byte words of mma fragments, the K loop must hold the
+    tensor-core instructions, and ptxas must not spill the software-pipelined registers."""
     from gptoss_cli.kernels import moe_gemv as mg
+    from gptoss_cli.kernels.moe_gemv_mma import mma_splits
     from gptoss_cli.kernels.moe_matmul import ROW_GROUP
 
     pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
                 "topk_ids_ptr": "*i32"}
+    rows = 2 * block_n if which == "gemv1" else block_n
+    common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16 or mma, "PDL": True,
+              "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
-        kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers,
-                              {"TOP_K": 4, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16,
-                               "PDL": True, "ROW_GROUP": ROW_GROUP, **logits}, num_warps)
+        kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers, {"TOP_K": 4, **common, **logits}, num_warps)
     else:
         pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-        kernel = compile_sm90(mg._gemv2_kernel, pointers,
-                              {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16, "PDL": True,
-                               "ROW_GROUP": ROW_GROUP}, num_warps)
-    if "LDG.E.128" not in sass(kernel):
+        kernel = compile_sm90(mg._gemv2_kernel, pointers, common, num_warps)
+    if mma:
+        if "HMMA.16816.F32" not in _loop_body(sass(kernel)):
+            raise RuntimeError(f"{which}: no mma in the K loop")
+        _no_spills(kernel, which)
+    elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
 
@@ -343,6 +349,11 @@ CASES = {
     "gemv1-f16-topk-32-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32),
     "gemv1-f16-topk-128-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=128),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
+    "gemv1-mma-topk-32-experts": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True),
+    "gemv1-mma-1-pair": lambda: _gemv("gemv1", 16, 512, experts=32, mma=True),
+    "gemv1-mma-topk-128-experts": lambda: _gemv("gemv1", 32, 256, experts=128, mma=True),
+    "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),
+    "gemv2-mma-2-pairs": lambda: _gemv("gemv2", 64, 256, mma=True),
 }
 
 

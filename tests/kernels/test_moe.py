@@ -941,3 +941,53 @@ def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
     assert torch.equal(got.topk_ids, route(router_logits(norm.out, rw, rb), 4, 16).topk_ids)
     with pytest.raises(ValueError, match="alias"):
         moe_router.route_tokens(x, rw, rb, 4, 16, norm=moe_router.RouterNorm(residual, weight, 1e-5, x, norm.out))
+
+
+# gemv on the tensor cores (moe_gemv_mma.py): 2 tiles per warp; K split over the 4 warps (block_k 128:
+# one block column per asm step), or 2 pairs of tiles per program and 2 splits of 4 columns (block_k 256).
+GEMV_MMA = dataclasses.replace(GEMV, block_n1=16, block_n2=32, block_k=128, asm_dequant=True, gemv_f16=True,
+                               gemv_mma=True)
+GEMV_MMA_WIDE = dataclasses.replace(GEMV_MMA, block_n1=32, block_n2=64, block_k=256)
+
+
+@requires_gpu
+@pytest.mark.parametrize("config", [GEMV_MMA, GEMV_MMA_WIDE], ids=["k128", "wide"])
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [(1, 32, 2880, 2880, 4), (3, 8, 576, 224, 2),
+                                                               (2, 4, 1024, 512, 4)])
+def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
+    # 576 = 18 blocks: K steps of 4 (8) blocks end with a step moved back over blocks already
+    # counted; 2 * 224 = 14 tiles = 7 pairs, so the last gemv1 program of GEMV_MMA_WIDE holds one
+    # pair past the end. Every case runs the mma path (asserted), not the packed-fp16 fallback.
+    from gptoss_cli.kernels import moe_gemv
+
+    device, dtype = "cuda", torch.bfloat16
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), row_group=16)
+    if hidden >= config.block_k and inter >= config.block_k:
+        assert moe_gemv._launch_options(config, torch.empty(1, hidden, device=device, dtype=dtype), w,
+                                        2 * config.block_n1, 2 * inter, config.block_k)["MMA"]
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    limit, alpha = 7.0, 1.702
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    in_slot_order = want_act[r.slot_rows.long()]
+    act = moe_gemv1_swiglu(x, r, w, limit, alpha, config)
+    assert_close(act.float(), in_slot_order.float(), _tol(dtype, device), "gemv1+swiglu (mma)")
+    f16 = dataclasses.replace(config, gemv_mma=False)
+    assert rel_err(act.float(), in_slot_order.float()) <= 1.5 * rel_err(
+        moe_gemv1_swiglu(x, r, w, limit, alpha, f16).float(), in_slot_order.float()) + 1e-3
+    y = moe_gemv2(in_slot_order, r, w, config)
+    assert_close(y, moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2 (mma)")
+
+
+@requires_gpu
+def test_gemv_mma_redoes_overflowing_rows_in_fp32():
+    # An activation past fp16's range (65504) makes the program fall back to the fp32 loop.
+    device, dtype = "cuda", torch.bfloat16
+    w = prepare_moe_weights(*_raw_weights(4, 1024, 512, device), row_group=16)
+    x = torch.randn(1, 1024, device=device).to(dtype)
+    x[0, 77] = 1e5
+    r = route(torch.randn(1, 4, device=device), 4, GEMV_MMA.block_m)
+    want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)[r.slot_rows.long()]
+    got = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, GEMV_MMA)
+    assert torch.isfinite(got).all()
+    assert_close(got.float(), want.float(), _tol(dtype, device), "gemv1 with an fp16 overflow")

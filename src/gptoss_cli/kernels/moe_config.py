@@ -51,6 +51,10 @@ class MoeConfig:
     gemv: bool = False
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
+    # gemv_f16 on the tensor cores (moe_gemv_mma.py; weights with row_group 16): mma.sync fed from
+    # the packed words in registers, 3-4 instructions per fp16 pair instead of ~8 per byte. The
+    # program's rows (2 * block_n1, block_n2) must be whole 16-row tiles.
+    gemv_mma: bool = False
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
@@ -183,9 +187,14 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # (gemv_topk): 559.8 -> 565.5 tok/s (session 12). The interpreter runs
         # programs one by one at a fixed cost each, so the CPU engine takes 64-wide blocks (the
         # kernel tests choose their own tiles).
+        # gemv1 on the tensor cores (gemv_mma, session 22): 64 rows per program, the K step of 8
+        # block columns split over 2 warps per pair of tiles; engine 576.4 -> 590.0 tok/s (120b 387.6
+        # -> 391.3). gemv2 stays packed fp16 on 8 rows and K steps of 512: its mma form needs 32-row
+        # programs, and those cost the engine 7 % (538.7 tok/s) although bench_moe had them even.
         wide = 64 if is_interpreted() else 0
-        return MoeConfig("decode", 16, wide or 16, wide or 8, 512, num_warps=4, num_stages=3, asm_dequant=True,
-                         gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True)
+        return MoeConfig("decode", 16, wide or 32, wide or 8, 512 if wide else 256, num_warps=4, num_stages=3,
+                         asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,
+                         gemv_mma=True, block_k2=512)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
                          num_experts, top_k, frag_scales)
 

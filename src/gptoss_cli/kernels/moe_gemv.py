@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .moe_config import MoeConfig
+from .moe_gemv_mma import _mma_rows, mma_fits, mma_splits
 from .moe_matmul import (
     BLOCK_BYTES,
     MoeWeights,
@@ -195,20 +196,35 @@ def _mx_gemv(
 
 @triton.jit
 def _row_dots(
-    x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+    x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, n_rows,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
+    MMA: tl.constexpr, MMA_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """The program's BLOCK_R dot products: packed fp16 when F16, redone in fp32 if a block overflowed."""
-    if F16:
+    """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
+    (moe_gemv_mma.py), else packed fp16 when F16; either redone in fp32 if an fp16 value overflowed."""
+    if MMA:
+        acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
+                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS)
+        acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
+                                  ROW_GROUP)
+    elif F16:
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
                            ROW_GROUP)
-        if tl.sum((acc - acc != 0).to(tl.int32)) > 0:  # inf or NaN: some fp16 block sum overflowed
-            # Short K steps: this rare path must not raise the kernel's register count.
-            acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False,
-                           ROW_GROUP)
+        acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
+                                  ROW_GROUP)
     else:
         acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
                        ROW_GROUP)
+    return acc
+
+
+@triton.jit
+def _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg,
+                        BLOCK_R: tl.constexpr, ROW_GROUP: tl.constexpr):
+    """acc, or the rows redone in fp32 where an fp16 value overflowed (acc holds inf or NaN)."""
+    if tl.sum((acc - acc != 0).to(tl.int32)) > 0:
+        # Short K steps: this rare path must not raise the kernel's register count.
+        acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, 32, False, ROW_GROUP)
     return acc
 
 
@@ -246,8 +262,9 @@ def _gemv1_swiglu_kernel(
     act_ptr, stride_at, topk_ids_ptr, hidden, inter, limit, alpha,
     logits_ptr, stride_lt, topk_weights_ptr, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-    PDL: tl.constexpr, ROW_GROUP: tl.constexpr, LOGITS: tl.constexpr = False, BLOCK_TK: tl.constexpr = 1,
-    BLOCK_E: tl.constexpr = 1,
+    PDL: tl.constexpr, ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
+    LOGITS: tl.constexpr = False,
+    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
@@ -260,7 +277,8 @@ def _gemv1_swiglu_kernel(
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
+                    wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * inter, 2 * BLOCK_N, BLOCK_K, ASM, F16,
+                    ROW_GROUP, MMA, MMA_SPLITS)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,7 +292,7 @@ def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
-    ROW_GROUP: tl.constexpr,
+    ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
@@ -282,7 +300,8 @@ def _gemv2_kernel(
     ok = rows < hidden
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
     acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                    stride_wn, stride_sg, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP)
+                    stride_wn, stride_sg, hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA,
+                    MMA_SPLITS)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -299,10 +318,14 @@ def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, nam
     return _out_buffer(out, (routing.num_tokens * routing.top_k, cols_out), dtype, a)
 
 
-def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights) -> dict:
-    """The launch arguments both gemv kernels take from the config, their input `a` and the weights."""
+def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int, n: int, block_k: int) -> dict:
+    """The launch arguments both gemv kernels take from the config, their input `a` (K = its
+    width), the weights, their `rows` per program, `n` rows in all and K step."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
-    return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": config.block_k, "ASM": asm, "F16": asm and config.gemv_f16,
+    f16 = asm and config.gemv_f16
+    mma = f16 and config.gemv_mma and mma_fits(w.row_group, n, a.shape[1], rows, block_k, config.num_warps)
+    return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": block_k, "ASM": asm, "F16": f16, "MMA": mma,
+            "MMA_SPLITS": mma_splits(rows, block_k, config.num_warps) if mma else 1,
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -330,7 +353,8 @@ def moe_gemv1_swiglu(
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
-        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **_launch_options(config, x, w), **extra,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1,
+        **_launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k), **extra,
     )  # fmt: skip
     return act
 
@@ -347,6 +371,6 @@ def moe_gemv2(
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, **_launch_options(config, act, w),
+        BLOCK_N=config.block_n2, **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k),
     )  # fmt: skip
     return y

@@ -1,0 +1,259 @@
+"""Batch-1 MoE matrix-vector kernels on the tensor cores: mma.sync fed straight from the packed bytes.
+
+_mma_rows is the K loop of moe_gemv.py's kernels when MoeConfig.gemv_mma is set (GPU, bf16
+activations, MoeWeights.row_group 16); the kernels, their epilogues and the fp32 fallback are there.
+
+Why: the packed-fp16 gemv spends ~8 SASS instructions per weight byte (dequantise, then 16
+dependent fp16 FMAs per block), about the bandwidth floor's time in issue alone
+(docs/optimizations.md, session 21). Here the FMAs go to the tensor cores and each lane's
+registers already are its part of an m16n8k16 A fragment, so nothing passes through shared
+memory: ~44 instructions per 8 weight bytes per lane (offline sm_90 SASS).
+
+Fragments (PTX ISA, mma.m16n8k16 with .f16 A/B, .f32 C/D). Lane l = 4r + t (r = l // 4, t = l % 4)
+holds A rows r and r + 8 at K labels (2t, 2t + 1, 2t + 8, 2t + 9), B column r at those labels,
+and D[r][2t], D[r][2t + 1], D[r + 8][2t], D[r + 8][2t + 1]. The dot product does not care which
+true K position a label stands for, so each lane loads one 32-bit word (8 FP4 values, K positions
+8t .. 8t + 7 of a 32-value block) of row r and one of row r + 8; with MoeWeights.row_group 16 a
+block column of 16 rows is 256 contiguous bytes and those are the lane's words l and l + 32.
+Pair i of a word = (value i, value i + 4). Each value becomes the high byte of an fp16 whose low
+byte is 0: sign to bit 7, exponent and mantissa to bits 3..1 (_high_bytes: 7 instructions for
+the word's 8 values), and one prmt per pair picks two such bytes next to zero bytes. That is the
+FP4 value times 2**-14 exactly (e = 0 lands on fp16 subnormals, which the tensor cores take as they
+are); the 2**14 is put back after the K loop. Two mmas cover a block column: pairs 0, 1 then
+2, 3, with B = the activations' matching pairs in fp16. Every B column holds the token (so lanes
+load x without a mask), and lane (r, 0)'s d0 and d2 are rows r and r + 8. Each block column's D
+is scaled by its E8M0 scale in fp32. One asm instance takes TILES tiles (sharing the activation
+pairs) and GB block columns. Its loads (_load_asm) and its mmas (_math_asm) are two pieces of asm,
+software-pipelined one K step apart through loop-carried tuples: with the loads inside the mmas'
+asm, ptxas sank each load down to its use and kept two or three in flight per warp (session 22).
+
+Layout: all memory goes through the inline asm (_load_asm), and every tensor handed to it is
+[KS, pairs, 32] built from aranges, whose default Triton layout puts the 32 lanes on the last
+dimension: nothing in Triton can choose another (a tl.load could: the coalescing pass orders
+dimensions by contiguity, and put lanes on the tile dimension in an offline sm_90 compile). The
+warps hold the pairs of tiles, then K splits (KS): each K step is KS * GB block columns.
+
+Numerics: FP4 values are exact in fp16; a bf16 activation is exact in fp16 down to 2**-14 (and to
+the nearest 2**-24 below), and overflows beyond 65504, which makes the program redo its rows in
+fp32 (_mx_gemv). Products and sums are the tensor cores' fp32, more exact than the packed-fp16
+path's fp16 block sums. The x loads are in a non-pure asm so that they stay after the PDL wait.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ROW_GROUP = 16  # the packed layout these kernels read (MoeWeights.row_group)
+FP16_SHIFT = tl.constexpr(16384.0)  # 2**14: the pairs hold FP4 values times 2**-14
+
+
+def _high_bytes(word: str) -> str:
+    """PTX: the fp16 high byte of each of `word`'s 8 values times 2**-14 (sign to bit 7, exponent and
+    mantissa to bits 3..1; the low byte is 0): values 0, 2, 4, 6 (low nibbles) as the bytes of hl,
+    values 1, 3, 5, 7 as those of hh."""
+    return (f"\nshl.b32 u, {word}, 1; and.b32 u, u, 0x0E0E0E0E; shl.b32 q, {word}, 4; and.b32 q, q, 0x80808080;"
+            f" or.b32 hl, q, u;"
+            f"\nshr.b32 u, {word}, 3; and.b32 u, u, 0x0E0E0E0E; and.b32 q, {word}, 0x80808080; or.b32 hh, q, u;")
+
+
+def _pairs(regs: tuple[str, str, str, str]) -> str:
+    """PTX: the word's pairs (value i, value i + 4), i = 0..3, as fp16x2 (value times 2**-14) from
+    hl / hh: one prmt each, the low bytes taken from a zero register."""
+    p0, p1, p2, p3 = regs
+    return (f"\nprmt.b32 {p0}, hl, 0, 0x2404; prmt.b32 {p2}, hl, 0, 0x3414;"
+            f" prmt.b32 {p1}, hh, 0, 0x2404; prmt.b32 {p3}, hh, 0, 0x3414;")
+
+
+TILES = tl.constexpr(2)  # 16-row tiles per asm instance: they share its activation pairs
+LOADED = 12  # registers one block column loads per lane: TILES * 2 words, as many scale bytes, 4 x words
+
+
+def _load_asm(gb: int) -> str:
+    """Loads of one K step of gb block columns for TILES tiles, per lane; outputs, block column g at
+    $(12 g) on: the words of (tile 0 row r, tile 0 row r + 8, tile 1 row r, tile 1 row r + 8), their
+    scale bytes, and x[8t .. 8t + 7] as 4 words of bf16 pairs. Inputs after the 12 gb outputs:
+    the word of tile 0 row r at the step's first block column (row r + 8: + 128 bytes; block
+    column g: + 256 g; tile 1: + the second input's bytes); the scale byte of tile 0 row r there
+    (row r + 8: + 8; tile 1: + 16; block column g: + g * the fourth input); x[8t] there (block
+    column g: + 64 g bytes), read for g >= the sixth input (zeros before: the last step is moved
+    back to end at K, and the block columns it repeats must count as x = 0). The weights'
+    addresses are always valid (the caller clamps them)."""
+    n = TILES.value * 2
+    ins = [f"${LOADED * gb + i}" for i in range(6)]
+    w0, wt, s0, sb, x0, skip = ins
+    out = []
+    for g in range(gb):
+        base = LOADED * g
+        for k in range(n):
+            tile, half = divmod(k, 2)
+            out.append(f"\nld.global.nc.b32 ${base + k}, [{w0 if tile == 0 else 'w1'}+{256 * g + 128 * half}];"
+                       f" ld.global.nc.u8 ${base + n + k}, [sp+{16 * tile + 8 * half}];")
+        xs = [f"${base + 2 * n + i}" for i in range(4)]
+        out.append("".join(f" mov.b32 {r}, 0;" for r in xs)
+                   + f"\nsetp.le.s32 p, {skip}, {g}; @p ld.global.v4.b32 {{{', '.join(xs)}}}, [{x0}+{64 * g}];"
+                   + ("\nadd.s64 sp, sp, sg;" if g + 1 < gb else ""))
+    return ("{\n.reg .pred p;\n.reg .b64 w1, sp, sg;"
+            f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};" + "".join(out) + "\n}")
+
+
+def _math_asm(gb: int) -> str:
+    """The mmas of one K step (_load_asm's registers): $0..$3 = acc + D * scale for (tile 0 rows r,
+    tile 0 rows r + 8, tile 1 rows r, tile 1 rows r + 8), from $4..$7; block column g's loaded
+    registers at $(8 + 12 g) on, in _load_asm's order."""
+    n = TILES.value * 2
+    math = []
+    for g in range(gb):
+        base = 8 + LOADED * g
+        words, scales = [f"${base + k}" for k in range(n)], [f"${base + n + k}" for k in range(n)]
+        xs = [f"${base + 2 * n + i}" for i in range(4)]
+        # x[8t + 2j .. + 1] in word j; pair i = (x_i, x_(i + 4)) from words i // 2 and i // 2 + 2.
+        for i in range(4):
+            lo, hi = xs[i // 2], xs[i // 2 + 2]
+            if i % 2 == 0:
+                math.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
+            else:
+                math.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
+            math.append(f" cvt.rn.f16x2.f32 b{i}, fh, fl;")
+        for tile in range(TILES.value):
+            math.append(_high_bytes(words[2 * tile]) + _pairs(("a0", "a2", "a4", "a6")))
+            math.append(_high_bytes(words[2 * tile + 1]) + _pairs(("a1", "a3", "a5", "a7")))
+            math.append(
+                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1},"
+                " {z, z, z, z};"
+                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7}, {b2, b3},"
+                " {d0, d1, d2, d3};")
+            for half, d in ((0, "d0"), (1, "d2")):
+                k = 2 * tile + half
+                acc = f"${k}" if g else f"${4 + k}"
+                math.append(f"\nshl.b32 u, {scales[k]}, 23; mov.b32 fs, u; fma.rn.f32 ${k}, {d}, fs, {acc};")
+    return (
+        "{\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3;"
+        "\n.reg .f32 d0, d1, d2, d3, z, fs, fl, fh;\nmov.f32 z, 0f00000000;" + "".join(math) + "\n}"
+    )
+
+
+def _asm_constants(gb: int) -> tuple:
+    """(load text, its constraints, its result types, math text, its constraints) for gb columns."""
+    loads = LOADED * gb
+    return (tl.constexpr(_load_asm(gb)), tl.constexpr("=r," * loads + "l,l,l,r,l,r"),
+            tl.constexpr((tl.int32,) * loads), tl.constexpr(_math_asm(gb)),
+            tl.constexpr("=f,=f,=f,=f,f,f,f,f" + ",r" * loads))
+
+
+_LOAD_1, _LOAD_CONS_1, _LOAD_TYPES_1, _MATH_1, _MATH_CONS_1 = _asm_constants(1)
+_LOAD_2, _LOAD_CONS_2, _LOAD_TYPES_2, _MATH_2, _MATH_CONS_2 = _asm_constants(2)
+_LOAD_4, _LOAD_CONS_4, _LOAD_TYPES_4, _MATH_4, _MATH_CONS_4 = _asm_constants(4)
+_F32X4 = tl.constexpr((tl.float32,) * 4)
+
+
+@triton.jit
+def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, x_addr, skip):
+    """_load_asm(GB) on [KS, P, 32] operands: a tuple of 12 * GB int32 tensors. Not pure: the x
+    loads must stay after the PDL wait, like any read of a launch's output."""
+    args = [w_addr, w_tile, s_addr, s_block, x_addr, skip]
+    if GB == 1:
+        out = tl.inline_asm_elementwise(_LOAD_1, _LOAD_CONS_1, args, dtype=_LOAD_TYPES_1, is_pure=False, pack=1)
+    elif GB == 2:
+        out = tl.inline_asm_elementwise(_LOAD_2, _LOAD_CONS_2, args, dtype=_LOAD_TYPES_2, is_pure=False, pack=1)
+    else:
+        tl.static_assert(GB == 4, "gemv_mma takes 1, 2 or 4 block columns per asm step")
+        out = tl.inline_asm_elementwise(_LOAD_4, _LOAD_CONS_4, args, dtype=_LOAD_TYPES_4, is_pure=False, pack=1)
+    return out
+
+
+@triton.jit
+def _math_step(GB: tl.constexpr, accs, loaded):
+    """_math_asm(GB): the four accumulators after one K step of `loaded` (_load_step's tuple)."""
+    if GB == 1:
+        out = tl.inline_asm_elementwise(_MATH_1, _MATH_CONS_1, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+    elif GB == 2:
+        out = tl.inline_asm_elementwise(_MATH_2, _MATH_CONS_2, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(_MATH_4, _MATH_CONS_4, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
+              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr):
+    """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
+    garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
+    Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): each K step covers KS * GB
+    block columns, GB per asm instance. All memory goes through the inline asm, so no layout
+    choice of Triton's can move the lanes off the last dimension."""
+    P: tl.constexpr = T // TILES
+    lane = tl.arange(0, 32)[None, None, :]
+    split = tl.arange(0, KS)[:, None, None]
+    # Clamped: the asm reads every tile it is given; rows of tiles past the end are masked later.
+    tile = tl.minimum(first_tile + tl.arange(0, P)[None, :, None] * TILES, n_tiles - TILES)
+    n_blocks = K // 32
+    # Lane l's word of row r at block column 0 is word l of the tile's first 256 bytes (row + 8: + 128 bytes).
+    own = split * GB  # this split's first block column within a step
+    w_ptrs = w_base + tile.to(tl.int64) * stride_wn + lane * 4 + own * 256
+    s_ptrs = s_base + tile * 16 + lane // 4 + own * stride_sg
+    x_ptrs = x_row + (lane % 4) * 8 + tile * 0 + own * 32  # every B column holds the token
+    w_tile = (stride_wn + tile * 0 + split * 0 + lane * 0).to(tl.int64)
+    s_block = stride_sg + tile * 0 + split * 0 + lane * 0
+    zero = tl.zeros((KS, P, 32), dtype=tl.float32)
+    accs = (zero, zero, zero, zero)
+    per_step = KS * GB
+    last = n_blocks - per_step  # the last step is moved back to end at K
+    # Software-pipelined: the next step's loads are in flight while this step's mmas run. (Two
+    # steps ahead held 217 registers, or K steps half as long: both slower, session 22.)
+    loaded = _load_step(GB, w_ptrs.to(tl.int64), w_tile, s_ptrs.to(tl.int64), s_block, x_ptrs.to(tl.int64),
+                        lane * 0 - own)
+    for kb in range(per_step, n_blocks, per_step):
+        ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_sg, kb, last, own)
+        accs = _math_step(GB, accs, loaded)
+        loaded = ahead
+    acc0, acc1, acc2, acc3 = _math_step(GB, accs, loaded)
+    # Lane (r, t) holds rows r and r + 8 in every column; take lane t = 0's.
+    lead = (lane % 4) == 0
+    r0 = _lane_rows(acc0, lead, P)
+    r1 = _lane_rows(acc1, lead, P)
+    r2 = _lane_rows(acc2, lead, P)
+    r3 = _lane_rows(acc3, lead, P)
+    rows = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [P, 8, half, tile]
+    return tl.reshape(tl.permute(rows, (0, 3, 2, 1)), (T * 16,)) * FP16_SHIFT
+
+
+@triton.jit
+def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_sg, kb, last, own):
+    """_load_step for the K step at block column kb, moved back to `last` if it would pass K (the
+    block columns it repeats are skipped: the step before counted them)."""
+    first = tl.minimum(kb, last)
+    skip = (kb - first) - own + s_block * 0  # broadcast to the operands' [KS, P, 32]
+    return _load_step(GB, (w_ptrs + first * 256).to(tl.int64), w_tile, (s_ptrs + first * stride_sg).to(tl.int64),
+                      s_block, (x_ptrs + first * 32).to(tl.int64), skip)
+
+
+@triton.jit
+def _lane_rows(acc, lead, P: tl.constexpr):
+    """[KS, P, 32] per-lane sums -> [P, 8]: the splits' sum of lane (r, 0)'s values for each r."""
+    return tl.sum(tl.reshape(tl.sum(tl.where(lead, acc, 0.0), axis=0), (P, 8, 4)), axis=2)
+
+
+def mma_splits(rows: int, block_k: int, num_warps: int) -> int:
+    """K splits of a program of `rows` rows on `num_warps` warps (one warp per pair of tiles and
+    split); raises unless the shape fits: whole pairs of tiles, 1, 2 or 4 block columns per asm step."""
+    pairs = rows // (16 * TILES.value)
+    splits = max(1, num_warps // max(pairs, 1))
+    per_asm = block_k // 32 // splits
+    if rows % (16 * TILES.value) or pairs * splits not in (num_warps, pairs) or per_asm not in (1, 2, 4) \
+            or per_asm * splits * 32 != block_k:
+        raise ValueError(f"gemv_mma: {rows} rows per program, K step {block_k} and {num_warps} warps do not fit "
+                         f"(pairs of 16-row tiles, {TILES.value * 16 * num_warps} rows or K splits over the warps, "
+                         "1, 2 or 4 block columns per split)")
+    return splits
+
+
+def mma_fits(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps: int) -> bool:
+    """Whether a launch suits these kernels: weights (`n` x `k`) in the 16-row groups they read,
+    whole pairs of tiles (no pair straddles the end, and programs of whole pairs), and at least one
+    full K step (the last step is moved back to end at K). Where not, the packed-fp16 path runs.
+    A program shape that cannot split its K step over the warps is an error (mma_splits)."""
+    if row_group != ROW_GROUP or n % (16 * TILES.value) or rows % (16 * TILES.value):
+        return False
+    mma_splits(rows, block_k, num_warps)
+    return k >= block_k
