@@ -52,8 +52,9 @@ class MoeConfig:
     # gemv only, with asm_dequant: packed-fp16 block dot products in inline PTX (moe_gemv.py).
     gemv_f16: bool = False
     # gemv_f16 on the tensor cores (moe_gemv_mma.py; weights with row_group 16): mma.sync fed from
-    # the packed words in registers, 3-4 instructions per fp16 pair instead of ~8 per byte. The
-    # program's rows (2 * block_n1, block_n2) must be whole 16-row tiles.
+    # the packed words in registers, ~5.5 SASS instructions per weight byte instead of ~8. Used by
+    # each gemv whose program rows (2 * block_n1, block_n2) are whole pairs of 16-row tiles, over
+    # weights of whole pairs and K >= its K step; the other runs packed fp16.
     gemv_mma: bool = False
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).

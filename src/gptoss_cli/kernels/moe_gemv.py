@@ -18,6 +18,9 @@ for dequantise-to-fp32-then-FMA. The unscaled FP4 values and bf16 activations ar
 so are their products; the 16 products per half-register are summed in fp16 (relative error
 ~2**-11 per add, below the bf16 rounding of the output), then in fp32 with the block scale. A
 block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows in fp32.
+
+MMA (MoeConfig.gemv_mma, where the shapes fit): the K loop runs on the tensor cores instead
+(moe_gemv_mma.py); the kernels, their epilogues and the fp32 fallback stay the same.
 """
 
 from __future__ import annotations
