@@ -407,6 +407,8 @@ def test_save_and_load_round_trip(tok, tmp_path):
 
     md = session.save(tmp_path / "chat.md").read_text()
     assert "Capital of France?" in md and "Paris." in md and "hidden reasoning" not in md
+    md = session.save(tmp_path / "thinking.md", reasoning=True).read_text()
+    assert "> hidden reasoning" in md and md.index("hidden reasoning") < md.index("Paris.")
 
 
 def test_loading_a_bad_file_is_a_clear_error(tok, tmp_path):
@@ -618,6 +620,16 @@ def test_repl_save_clear_load_and_show(tok, tmp_path):
     assert "no saved conversation" in err
     assert "private thoughts" not in md_path.read_text() and "Saved answer." in md_path.read_text()
     assert stat.S_IMODE(json_path.stat().st_mode) == 0o600
+
+
+def test_repl_save_with_reasoning(tok, tmp_path):
+    session, _ = make_session(tok, [reply(tok, "private thoughts", "Saved answer.")])
+    md_path, json_path = tmp_path / "my chat.md", tmp_path / "c.json"
+    code, _, err = run_repl_with(session, f"hi\r/save {md_path} --with-reasoning\r/save {json_path} --with-reasoning\r"
+                                          "/exit\r")
+    assert code == 0 and f"saved to {md_path}" in err
+    assert "> private thoughts" in md_path.read_text() and "Saved answer." in md_path.read_text()
+    assert "--with-reasoning is for Markdown transcripts" in err and not json_path.exists()
 
 
 def test_toolbar_text(tok):

@@ -145,15 +145,23 @@ def _switch(name: str) -> Callable[[ChatSession, ChatRenderer, str], None]:
     return handler
 
 
+WITH_REASONING = "--with-reasoning"
+
+
 def _save(session: ChatSession, out: ChatRenderer, arg: str) -> None:
-    target = arg.strip()
+    reasoning = WITH_REASONING in arg.split()
+    target = " ".join(word for word in arg.split(" ") if word != WITH_REASONING).strip()
+    if reasoning and not target.lower().endswith(".md"):
+        out.ui.error(f"{WITH_REASONING} is for Markdown transcripts", "e.g. /save chat.md --with-reasoning "
+                     "(a .json file always keeps the reasoning)")
+        return
     try:
         if target:
             path = Path(target)
         else:
             path = (session.store or ChatStore()).path_for(session.conversation_id)
             make_private_dir(path.parent)
-        saved = session.save(path)
+        saved = session.save(path, reasoning)
     except OSError as e:
         out.ui.error(f"cannot save to {target or 'the conversations folder'}: {e.strerror or e}")
         return
@@ -273,7 +281,8 @@ COMMANDS: dict[str, Command] = {
                      ("settings", "prompt", "context", "model")),
     "/stats": Command(_switch("stats"), "/stats on|off", "the per-turn stats line", ("on", "off")),
     "/raw": Command(_switch("raw"), "/raw on|off", "show raw harmony tokens while streaming", ("on", "off")),
-    "/save": Command(_save, "/save [PATH.json|PATH.md]", "save the conversation (.md: transcript, no reasoning)"),
+    "/save": Command(_save, "/save [PATH.json|PATH.md [--with-reasoning]]",
+                     "save the conversation (.md: transcript, reasoning only with --with-reasoning)"),
     "/load": Command(_load, "/load PATH.json|ID", "resume a saved conversation"),
     "/clear": Command(_clear, "/clear", "start a new conversation"),
     "/read": Command(_read, "/read PATH [TEXT]", "send a text file (then TEXT) as the message"),

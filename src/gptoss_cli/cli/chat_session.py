@@ -457,11 +457,14 @@ class ChatSession:
         self.conversation_id = str(data.get("id") or new_conversation_id())
         self.created = str(data.get("created") or now_text())
 
-    def save(self, path: Path) -> Path:
-        """/save: JSON (conversation + settings) or, for .md, a transcript without reasoning."""
+    def save(self, path: Path, reasoning: bool = False) -> Path:
+        """/save: JSON (conversation + settings) or, for .md, a transcript, with the reasoning only
+        when asked (`reasoning`; JSON always keeps the whole conversation)."""
         path = Path(path).expanduser()
-        text = markdown_transcript(self) if path.suffix.lower() == ".md" else json.dumps(self.to_dict(), indent=1,
-                                                                                          ensure_ascii=False)
+        if path.suffix.lower() == ".md":
+            text = markdown_transcript(self, reasoning)
+        else:
+            text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
         write_private(path, text)
         return path
 
@@ -495,8 +498,9 @@ def turn_starts(messages: list[Message]) -> list[int]:
     return [i for i, m in enumerate(messages) if m.role == "user"]
 
 
-def markdown_transcript(session: ChatSession) -> str:
-    """The conversation as Markdown: user messages, answers and tool calls; no reasoning."""
+def markdown_transcript(session: ChatSession, reasoning: bool = False) -> str:
+    """The conversation as Markdown: user messages, answers and tool calls; the reasoning (analysis
+    channel) as a quoted block before the answer only with `reasoning`."""
     subtitle = f"*{session.created[:10]} · effort {session.settings.effort}*"
     lines = [f"# Chat with {session.model_name}", "", subtitle, ""]
     if session.settings.developer:
@@ -506,7 +510,10 @@ def markdown_transcript(session: ChatSession) -> str:
             lines += ["## You", "", m.content, ""]
         elif m.is_tool_call:
             lines += [f"**Tool call** `{m.recipient}`:", "", "```json", m.content, "```", ""]
-        elif m.role == "assistant" and m.channel != "analysis":
+        elif m.role == "assistant" and m.channel == "analysis":
+            if reasoning:
+                lines += ["**Reasoning:**", "", *(f"> {line}".rstrip() for line in m.content.splitlines()), ""]
+        elif m.role == "assistant":
             lines += ["## Assistant", "", m.content, ""]
         elif m.role == "tool":
             lines += [f"**Tool result** `{m.name}`:", "", "```", m.content, "```", ""]
