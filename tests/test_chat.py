@@ -253,6 +253,19 @@ def test_malformed_output_is_shown_as_plain_text(tok):
     assert result.stats.format_errors >= 1 and "format error" in stats_line(result.stats)
 
 
+def test_malformed_output_ends_at_a_stop_string(tok):
+    # No harmony at all: the plain text is the answer, so a stop string ends the request there
+    # (the fake engine would go on to max_tokens) and is not kept.
+    script = tok.encode("first part STOP and the rest that never comes")
+    session, engine = make_session(tok, [script], max_tokens=len(script), stop=("STOP",))
+    ui, out, err = make_ui()
+    result = ChatRenderer(ui, session).run_turn("hi")
+    assert result.fallback_text == "first part"
+    assert result.stats.finish_reason == "stop"
+    assert result.stats.generated_tokens < len(script)
+    assert session.messages[-1] == Message("assistant", "first part", channel="final")
+
+
 def test_output_without_channel_is_still_the_answer(tok):
     script = tok.encode("plain words") + [200002]  # lenient parser: a header closed by <|return|>
     session, _ = make_session(tok, [script])

@@ -25,7 +25,7 @@ from .json_answer import answer_problem, format_name
 from .options import EFFORTS, REASONING_MODES
 from .sampling_settings import SamplingSettings
 from ..runtime.errors import GptossError, RequestError
-from ..runtime.stop_strings import StopFilter, check_stops, is_answer_text
+from ..runtime.stop_strings import StopFilter, StopMatcher, check_stops, cut_at_stop, is_answer_text
 from ..runtime.harmony import (
     Conversation,
     DeveloperConfig,
@@ -190,6 +190,9 @@ class Turn:
         tok = self.session.tokenizer
         stops = self.session.settings.stop
         parser, cut = HarmonyStreamParser(tok), StopFilter(stops)
+        # Text before the first special token is not harmony: it can only become the fallback
+        # answer, so a stop string in it ends the request too.
+        plain = StopMatcher(stops) if stops else None
         tally = _Tally()
         raw = tok.stream_decoder()  # the raw view must not split UTF-8 characters either
         output = None
@@ -198,14 +201,20 @@ class Turn:
             for event in stream:
                 reasoning = tally.before(parser, event)
                 t = event.token_id
-                text = raw.flush() + tok.decode([t]) if tok.is_special(t) else raw.push(t)
+                special = tok.is_special(t)
+                text = raw.flush() + tok.decode([t]) if special else raw.push(t)
                 yield RawToken(t, text, event.time, reasoning)
                 for harmony_event in cut.feed(parser.feed(event.token_id)):
                     tally.after(harmony_event, event.time)
                     yield harmony_event
+                if plain is not None:
+                    if special:
+                        plain = None  # harmony from here on: the StopFilter's answers count
+                    else:
+                        plain.push(text)
                 if event.output is not None:
                     output = event.output
-                elif cut.stopped:  # a stop string: the request ends at this token
+                elif cut.stopped or (plain is not None and plain.hit):  # a stop string: the request ends here
                     output = stream.end()
                     break
         for harmony_event in [] if cut.stopped else cut.feed(parser.finish()):
@@ -339,13 +348,16 @@ class ChatSession:
         messages the model wrote (the answer cut at a stop string)."""
         answer = "".join(m.content for m in messages if is_answer(m))
         token_ids = list(output.token_ids) if output is not None else []
-        fallback = None
+        fallback, stopped = None, False
         if not messages:  # nothing harmony-shaped at all: show what the model wrote, as text
-            text = self.tokenizer.decode([t for t in token_ids if not self.tokenizer.is_special(t)]).strip()
-            fallback = text or None
+            text = self.tokenizer.decode([t for t in token_ids if not self.tokenizer.is_special(t)])
+            text, stopped = cut_at_stop(text, self.settings.stop)
+            fallback = text.strip() or None
         if fallback is not None and tally.first_answer_time is None and output is not None:
             tally.first_answer_time = output.timings.first_token
         stats = self._stats(turn, tally, output, token_ids)
+        if fallback is not None and stopped:
+            stats = replace(stats, finish_reason="stop")
         replies = self._replies(messages, fallback)
         result = TurnResult(turn.user, messages, fallback or answer, fallback, stats, committed=bool(replies),
                             cut_in_reasoning=not replies and stats.finish_reason == "length")
