@@ -20,11 +20,11 @@ DTYPE = torch.float32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
-def _engine(**opts):
+def _engine(weights=None, **opts):
     opts = {"max_batch": 4, "max_step_tokens": 256, "block_size": 16, "kv_memory_bytes": 64 << 20, "max_context": 512,
             "cuda_graphs": DEVICE == "cuda",
             "dtype": str(DTYPE).removeprefix("torch."), **opts}
-    return GpuEngine(random_weights("tiny", seed=5, device=DEVICE), **opts)
+    return GpuEngine(weights or random_weights("tiny", seed=5, device=DEVICE), **opts)
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +234,11 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma gemv is inline PTX: GPU only")
-def test_mma_gemv_batch1_decode_matches_reference(ref, monkeypatch):
-    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step, so its batch-1 steps take the
-    # packed-fp16 gemv; with K steps of 128 gemv1 runs on the tensor cores (MoeConfig.gemv_mma)
-    # through the prompt and decode graphs, and still equals the reference.
+def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
+    # The tensor-core gemv needs bf16 activations (the other tests here run the engine in fp32), and
+    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step: with K steps of 128, a bf16
+    # engine's batch-1 steps run gemv1 on the tensor cores (MoeConfig.gemv_mma) through the prompt
+    # and decode graphs. The confident readout keeps greedy tokens above bf16 noise.
     import dataclasses
 
     from gptoss_cli.kernels import moe, moe_gemv
@@ -249,9 +250,11 @@ def test_mma_gemv_batch1_decode_matches_reference(ref, monkeypatch):
     monkeypatch.setattr(moe_gemv, "mma_fits", lambda *a: runs.append(fits(*a)) or runs[-1])
     monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
         pick(t, e, k, frag), block_k=128) if t == 1 else pick(t, e, k, frag))
-    eng = _graph_engine(max_batch=1)
-    prompt = _prompt(9, 53)
-    assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
+    ref = ReferenceModel(random_weights("tiny", seed=6, device=DEVICE, confident=True), dtype=torch.float32)
+    eng = _engine(max_batch=1, dtype="bfloat16", weights=random_weights("tiny", seed=6, device=DEVICE, confident=True))
+    prompts = [_prompt(9, 53), _prompt(30, 54)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == [_ref_greedy(ref, p, 8) for p in prompts]
     assert eng.runner._graph_seqs is not None
     assert any(runs)
 
