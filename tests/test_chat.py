@@ -421,7 +421,8 @@ def test_save_and_load_round_trip(tok, tmp_path):
     md = session.save(tmp_path / "chat.md").read_text()
     assert "Capital of France?" in md and "Paris." in md and "hidden reasoning" not in md
     md = session.save(tmp_path / "thinking.md", reasoning=True).read_text()
-    assert "> hidden reasoning" in md and md.index("hidden reasoning") < md.index("Paris.")
+    assert md.index("## You") < md.index("## Assistant") < md.index("> hidden reasoning") < md.index("Paris.")
+    assert md.count("## Assistant") == 1
 
 
 def test_loading_a_bad_file_is_a_clear_error(tok, tmp_path):

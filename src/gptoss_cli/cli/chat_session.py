@@ -517,18 +517,25 @@ def markdown_transcript(session: ChatSession, reasoning: bool = False) -> str:
     lines = [f"# Chat with {session.model_name}", "", subtitle, ""]
     if session.settings.developer:
         lines += ["## Developer instructions", "", session.settings.developer, ""]
+    speaker = None  # the heading the lines are under: one "## Assistant" per reply
     for m in session.messages:
+        if m.role == "assistant" and not m.is_tool_call and (reasoning or m.channel != "analysis") \
+                and speaker != "assistant":
+            lines += ["## Assistant", ""]
+            speaker = "assistant"
         if m.role == "user":
             lines += ["## You", "", m.content, ""]
+            speaker = "user"
         elif m.is_tool_call:
             lines += [f"**Tool call** `{m.recipient}`:", "", "```json", m.content, "```", ""]
         elif m.role == "assistant" and m.channel == "analysis":
             if reasoning:
                 lines += ["**Reasoning:**", "", *(f"> {line}".rstrip() for line in m.content.splitlines()), ""]
         elif m.role == "assistant":
-            lines += ["## Assistant", "", m.content, ""]
+            lines += [m.content, ""]
         elif m.role == "tool":
             lines += [f"**Tool result** `{m.name}`:", "", "```", m.content, "```", ""]
+            speaker = "tool"
     return "\n".join(lines)
 
 
