@@ -246,8 +246,8 @@ def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
     pick = moe.pick_config
     assert pick(1, 32, 4).gemv_mma
     runs = []
-    fits = moe_gemv.mma_fits
-    monkeypatch.setattr(moe_gemv, "mma_fits", lambda *a: runs.append(fits(*a)) or runs[-1])
+    plan = moe_gemv.mma_plan
+    monkeypatch.setattr(moe_gemv, "mma_plan", lambda *a: runs.append(plan(*a)) or runs[-1])
     monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
         pick(t, e, k, frag), block_k=128) if t == 1 else pick(t, e, k, frag))
     ref = ReferenceModel(random_weights("tiny", seed=6, device=DEVICE, confident=True), dtype=torch.float32)

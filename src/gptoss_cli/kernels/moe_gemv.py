@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .moe_config import MoeConfig
-from .moe_gemv_mma import _mma_rows, mma_fits, mma_splits
+from .moe_gemv_mma import _mma_rows, mma_plan
 from .moe_matmul import (
     BLOCK_BYTES,
     MoeWeights,
@@ -326,9 +326,9 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
     width), the weights, their `rows` per program, `n` rows in all and K step."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     f16 = asm and config.gemv_f16
-    mma = f16 and config.gemv_mma and mma_fits(w.row_group, n, a.shape[1], rows, block_k, config.num_warps)
-    return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": block_k, "ASM": asm, "F16": f16, "MMA": mma,
-            "MMA_SPLITS": mma_splits(rows, block_k, config.num_warps) if mma else 1,
+    splits = mma_plan(w.row_group, n, a.shape[1], rows, block_k, config.num_warps) if f16 and config.gemv_mma else 0
+    return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": block_k, "ASM": asm, "F16": f16, "MMA": splits > 0,
+            "MMA_SPLITS": max(splits, 1),
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 

@@ -66,7 +66,8 @@ def _pairs(regs: tuple[str, str, str, str]) -> str:
 
 
 TILES = tl.constexpr(2)  # 16-row tiles per asm instance: they share its activation pairs
-LOADED = 12  # registers one block column loads per lane: TILES * 2 words, as many scale bytes, 4 x words
+# Registers one block column loads per lane: TILES * 2 words, as many scale bytes, 4 words of x.
+LOADED = 4 * TILES.value + 4
 
 
 def _load_asm(gb: int) -> str:
@@ -192,9 +193,10 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
     own = split * GB  # this split's first block column within a step
     w_ptrs = w_base + tile.to(tl.int64) * stride_wn + lane * 4 + own * 256
     s_ptrs = s_base + tile * 16 + lane // 4 + own * stride_sg
-    x_ptrs = x_row + (lane % 4) * 8 + tile * 0 + own * 32  # every B column holds the token
-    w_tile = (stride_wn + tile * 0 + split * 0 + lane * 0).to(tl.int64)
-    s_block = stride_sg + tile * 0 + split * 0 + lane * 0
+    full = split * 0 + tile * 0 + lane * 0  # broadcasts scalars to the asm's [KS, P, 32] operands
+    x_ptrs = x_row + (lane % 4) * 8 + own * 32 + full  # every B column holds the token
+    w_tile = (stride_wn + full).to(tl.int64)
+    s_block = stride_sg + full
     zero = tl.zeros((KS, P, 32), dtype=tl.float32)
     accs = (zero, zero, zero, zero)
     per_step = KS * GB
@@ -202,7 +204,7 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
     # Software-pipelined: the next step's loads are in flight while this step's mmas run. (Two
     # steps ahead held 217 registers, or K steps half as long: both slower, session 22.)
     loaded = _load_step(GB, w_ptrs.to(tl.int64), w_tile, s_ptrs.to(tl.int64), s_block, x_ptrs.to(tl.int64),
-                        lane * 0 - own)
+                        full - own)
     for kb in range(per_step, n_blocks, per_step):
         ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_sg, kb, last, own)
         accs = _math_step(GB, accs, loaded)
@@ -223,7 +225,7 @@ def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_s
     """_load_step for the K step at block column kb, moved back to `last` if it would pass K (the
     block columns it repeats are skipped: the step before counted them)."""
     first = tl.minimum(kb, last)
-    skip = (kb - first) - own + s_block * 0  # broadcast to the operands' [KS, P, 32]
+    skip = (kb - first) - own + s_block * 0  # [KS, P, 32], as the other operands
     return _load_step(GB, (w_ptrs + first * 256).to(tl.int64), w_tile, (s_ptrs + first * stride_sg).to(tl.int64),
                       s_block, (x_ptrs + first * 32).to(tl.int64), skip)
 
@@ -248,12 +250,13 @@ def mma_splits(rows: int, block_k: int, num_warps: int) -> int:
     return splits
 
 
-def mma_fits(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps: int) -> bool:
-    """Whether a launch suits these kernels: weights (`n` x `k`) in the 16-row groups they read,
-    whole pairs of tiles (no pair straddles the end, and programs of whole pairs), and at least one
-    full K step (the last step is moved back to end at K). Where not, the packed-fp16 path runs.
-    A program shape that cannot split its K step over the warps is an error (mma_splits)."""
+def mma_plan(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps: int) -> int:
+    """The K splits of a launch on these kernels (mma_splits), or 0 where it does not suit them and
+    the packed-fp16 path runs: weights (`n` x `k`) not in the 16-row groups they read, not whole
+    pairs of tiles (a pair would straddle the end), programs of part of a pair, or K shorter than a
+    K step (the last step is moved back to end at K). A program shape that cannot split its K step
+    over the warps is an error (mma_splits)."""
     if row_group != ROW_GROUP or n % (16 * TILES.value) or rows % (16 * TILES.value):
-        return False
-    mma_splits(rows, block_k, num_warps)
-    return k >= block_k
+        return 0
+    splits = mma_splits(rows, block_k, num_warps)
+    return splits if k >= block_k else 0
