@@ -236,9 +236,10 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma gemv is inline PTX: GPU only")
 def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
     # The tensor-core gemv needs bf16 activations (the other tests here run the engine in fp32), and
-    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step: with K steps of 128, a bf16
-    # engine's batch-1 steps run gemv1 on the tensor cores (MoeConfig.gemv_mma) through the prompt
-    # and decode graphs. The confident readout keeps greedy tokens above bf16 noise.
+    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step: with K steps of 64, a bf16
+    # engine's batch-1 steps run gemv1 on the tensor cores (MoeConfig.gemv_mma), loads two steps
+    # ahead, through the prompt and decode graphs. The confident readout keeps greedy tokens above
+    # bf16 noise.
     import dataclasses
 
     from gptoss_cli.kernels import moe, moe_gemv
@@ -249,14 +250,14 @@ def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
     plan = moe_gemv.mma_plan
     monkeypatch.setattr(moe_gemv, "mma_plan", lambda *a: runs.append(plan(*a)) or runs[-1])
     monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
-        pick(t, e, k, frag), block_k=128) if t == 1 else pick(t, e, k, frag))
+        pick(t, e, k, frag), block_k=64) if t == 1 else pick(t, e, k, frag))
     ref = ReferenceModel(random_weights("tiny", seed=6, device=DEVICE, confident=True), dtype=torch.float32)
     eng = _engine(max_batch=1, dtype="bfloat16", weights=random_weights("tiny", seed=6, device=DEVICE, confident=True))
     prompts = [_prompt(9, 53), _prompt(30, 54)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == [_ref_greedy(ref, p, 8) for p in prompts]
     assert eng.runner._graph_seqs is not None
-    assert any(runs)
+    assert (2, 2) in runs  # (K splits, steps ahead) of gemv1's 64-row programs; 0 splits: packed fp16
 
 
 def test_128_experts_like_120b_match_reference():

@@ -197,7 +197,7 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          experts: int = 0, mma: bool = False):
+          experts: int = 0, mma: bool = False, ahead: int = 1):
     """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk). The
     weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group); with `mma`
     (MoeConfig.gemv_mma) they are 4-byte words of mma fragments, the K loop must hold the
@@ -210,7 +210,7 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
                 "topk_ids_ptr": "*i32"}
     rows = 2 * block_n if which == "gemv1" else block_n
     common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16 or mma, "PDL": True,
-              "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1}
+              "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1, "MMA_AHEAD": ahead}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
@@ -350,6 +350,7 @@ CASES = {
     "gemv1-f16-topk-128-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=128),
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
     "gemv1-mma-topk-32-experts": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True),
+    "gemv1-mma-ahead-2": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True, ahead=2),
     "gemv1-mma-1-pair": lambda: _gemv("gemv1", 16, 512, experts=32, mma=True),
     "gemv1-mma-topk-128-experts": lambda: _gemv("gemv1", 32, 256, experts=128, mma=True),
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),

@@ -6,8 +6,8 @@ which lane loads which word, scale byte and activations, how the nibbles become 
 how those registers line up with the mma's A/B/C/D fragments (PTX ISA layout, emulated here from
 the ISA's description, not from the asm). The tests lay out two 16-row tiles of packed weights,
 their scales and a bf16 activation vector as moe_gemv_mma's docstring says, run the load asm, hand
-its registers to the math asm as _mma_rows does (`accs + loaded`), and compare the load registers
-with the layout and each lane's four outputs with a float64 reference. The emulator also checks
+its registers to the math asm as _mma_rows does (`(acc,) + loaded + (x, skip, t)`), and compare the load registers
+with the layout and each lane's accumulated row with a float64 reference. The emulator also checks
 what ptxas or the hardware would reject or leave undefined: undeclared or redeclared registers,
 operand widths (against the constraint strings of _asm_constants), writes to input operands,
 reads of unwritten registers, outputs not written on every lane, misaligned or out-of-bounds
@@ -99,6 +99,8 @@ ALU = {
     "or.b32": ((32,), (32, 32), lambda a, b: a | b),
     "prmt.b32": ((32,), (32, 32, 32), _prmt),
     "setp.le.s32": ((1,), (32, 32), lambda a, b: (_s32(a) <= _s32(b)).astype(np.uint64)),
+    "setp.ne.s32": ((1,), (32, 32), lambda a, b: (_s32(a) != _s32(b)).astype(np.uint64)),
+    "selp.f32": ((32,), (32, 32, 1), lambda a, b, p: np.where(p.astype(bool), a, b).astype(np.uint64)),
     "cvt.rn.f16x2.f32": ((32,), (32, 32), _cvt_f16x2),
     "fma.rn.f32": ((32,), (32, 32, 32), _fma_f32),
 }
@@ -286,6 +288,13 @@ def _layout(rng: np.random.Generator, gb: int) -> dict:
             "tile_stride": tile_stride, "scale_stride": scale_stride}
 
 
+def _lane_row() -> tuple[np.ndarray, np.ndarray]:
+    """(tile, row in the tile) each lane (r, t) accumulates: row r + 8t of the pair of tiles."""
+    lane = np.arange(LANES)
+    row = lane // 4 + 8 * (lane % 4)
+    return row // 16, row % 16
+
+
 def _expected(lay: dict, skip: int) -> tuple[np.ndarray, np.ndarray]:
     """Per (tile, row): sum over block columns c >= skip of 2**(s - 127) * 2**-14 * dot(W, x), and
     the sum of the terms' magnitudes (for the tolerance)."""
@@ -297,55 +306,49 @@ def _expected(lay: dict, skip: int) -> tuple[np.ndarray, np.ndarray]:
     return (scale * prod.sum(-1)).sum(-1), (scale * np.abs(prod).sum(-1)).sum(-1)
 
 
-def _load_inputs(lay: dict, skip: int, n_out: int) -> dict:
+def _load_inputs(lay: dict, n_out: int) -> dict:
     """_load_asm's inputs, after its n_out outputs."""
     lane = np.arange(LANES)
     r, t = lane // 4, lane % 4
     return {
         n_out: lay["w0"] + 4 * lane,  # word l of tile 0's first block column = row r, values 8t .. 8t + 7
         n_out + 1: lay["tile_stride"],
-        n_out + 2: lay["s0"] + r,  # tile 0 row r's scale at block column 0
+        n_out + 2: lay["s0"] + r + 8 * t,  # the scale byte of the pair's row r + 8t at block column 0
         n_out + 3: lay["scale_stride"],
-        n_out + 4: lay["x0"] + 16 * t,  # x[8t]: every lane reads the token, so every B column holds it
-        n_out + 5: np.int64(skip) & MASK[32],
     }
 
 
 def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None):
     """One K step on the emulator: the load asm's outputs, then the math asm's outputs when fed
-    acc_in (one float32 per (output, row r)) and those registers as _mma_rows does. The texts
-    default to _asm_constants(gb)'s (a test may pass altered ones)."""
+    acc_in (one float32 per lane), those registers, x[8t]'s address, `skip` and t as _mma_rows
+    does. The texts default to _asm_constants(gb)'s (a test may pass altered ones)."""
     load_text, load_cons, load_types, math_text, math_cons = (c.value for c in _asm_constants(gb))
     n_out = LOADED * gb
     assert len(load_types) == n_out == load_cons.count("=r"), "load results and constraints disagree"
-    loaded = _run(load_asm or load_text, lay["mem"], _bind(load_cons, _load_inputs(lay, skip, n_out)))
-    r = np.arange(LANES) // 4
-    accs = [_f32_bits(acc_in[k][r]) for k in range(4)]
-    # _math_step's operands are `accs + loaded`: $4..$7, then the load's $0.. in order
-    math_in = dict(enumerate(accs + [loaded[f"${i}"] for i in range(n_out)], start=4))
+    loaded = _run(load_asm or load_text, lay["mem"], _bind(load_cons, _load_inputs(lay, n_out)))
+    t = np.arange(LANES) % 4
+    x_addr = lay["x0"] + 16 * t  # x[8t]: every lane reads the token, so every B column holds it
+    # _math_step's operands are `(acc,) + loaded + (x address, skip, t)`: $1, then the load's $0.. in order
+    math_in = dict(enumerate([_f32_bits(acc_in)] + [loaded[f"${i}"] for i in range(n_out)]
+                             + [x_addr, np.int64(skip) & MASK[32], t], start=1))
     out = _run(math_asm or math_text, lay["mem"], _bind(math_cons, math_in))
     return loaded, out
 
 
-def _check_loaded(loaded: dict, lay: dict, gb: int, skip: int) -> None:
+def _check_loaded(loaded: dict, lay: dict, gb: int) -> None:
     """The load registers hold what _load_asm's docstring says, per lane and block column."""
     lane = np.arange(LANES)
     r, t = lane // 4, lane % 4
     codes = lay["codes"]  # [tile, row, c, value]
-    x_bits = (np.asarray(lay["x"], np.float32).view(np.uint32) >> 16).astype(np.uint64)  # [c, 32]
+    scale_tile, scale_row = _lane_row()
     for g in range(gb):
         for k, (tile, half) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
             vals = codes[tile, r + 8 * half, g]  # [lane, 32]: row r (+ 8) of this lane
             word = (vals[lane[:, None], 8 * t[:, None] + np.arange(8)] << (4 * np.arange(8))).sum(-1)  # values 8t ..
             got = loaded[f"${LOADED * g + k}"]
             assert (got == word.astype(np.uint64)).all(), f"block column {g}: word {k} is not tile {tile} row r+{8 * half}"
-            got = loaded[f"${LOADED * g + 4 + k}"]
-            want = lay["scales"][tile, r + 8 * half, g].astype(np.uint64)
-            assert (got == want).all(), f"block column {g}: scale {k} is not tile {tile} row r+{8 * half}'s"
-        for j in range(4):
-            pair = x_bits[g, 8 * t + 2 * j] | (x_bits[g, 8 * t + 2 * j + 1] << 16)
-            want = pair if g >= skip else np.zeros(LANES, np.uint64)
-            assert (loaded[f"${LOADED * g + 8 + j}"] == want).all(), f"block column {g}: x word {j} (skip {skip})"
+        want = lay["scales"][scale_tile, scale_row, g].astype(np.uint64)
+        assert (loaded[f"${LOADED * g + 4}"] == want).all(), f"block column {g}: scale is not row r + 8t's"
 
 
 STEP_CASES = [(1, 0), (1, -1), (2, 0), (2, 1), (2, 2), (4, 0), (4, 1), (4, 3), (4, -4)]
@@ -354,31 +357,25 @@ STEP_CASES = [(1, 0), (1, -1), (2, 0), (2, 1), (2, 2), (4, 0), (4, 1), (4, 3), (
 def _check_step(gb: int, skip: int, seed: int, load_asm=None, math_asm=None) -> None:
     rng = np.random.default_rng(1000 * seed + 10 * gb + skip)
     lay = _layout(rng, gb)
-    # one accumulator per (output, row r), shared by r's four lanes as in the kernel's loop
-    acc_in = (rng.standard_normal((4, 8)) * 2.0**-10).astype(np.float32)
+    acc_in = (rng.standard_normal(LANES) * 2.0**-10).astype(np.float32)  # lane (r, t): row r + 8t's sum so far
     loaded, regs = _step(gb, lay, acc_in, skip, load_asm, math_asm)
-    _check_loaded(loaded, lay, gb, skip)
+    _check_loaded(loaded, lay, gb)
     want, size = _expected(lay, skip)
-    r = np.arange(LANES) // 4
-    # $0..$3: tile 0 rows r and r + 8, tile 1 rows r and r + 8
-    for k, (tile, half) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
-        got = _f32(regs[f"${k}"]).astype(np.float64)
-        ref = acc_in[k][r].astype(np.float64) + want[tile, r + 8 * half]
-        tol = 1e-5 * (np.abs(acc_in[k][r]) + size[tile, r + 8 * half]) + 1e-30
-        bad = np.flatnonzero(np.abs(got - ref) > tol)
-        assert bad.size == 0, f"${k} lanes {bad.tolist()}: got {got[bad].tolist()}, want {ref[bad].tolist()}"
-        # lanes (r, t > 0) hold other B columns, which carry the same token: bit-identical to (r, 0)
-        lead = regs[f"${k}"][np.arange(LANES) // 4 * 4]
-        assert (regs[f"${k}"] == lead).all(), f"${k}: lanes differ from their t = 0 lane"
-        if skip >= gb:
-            assert (regs[f"${k}"] == _f32_bits(acc_in[k][r])).all(), f"${k}: skipped blocks changed acc"
+    tile, row = _lane_row()
+    got = _f32(regs["$0"]).astype(np.float64)
+    ref = acc_in.astype(np.float64) + want[tile, row]
+    tol = 1e-5 * (np.abs(acc_in) + size[tile, row]) + 1e-30
+    bad = np.flatnonzero(np.abs(got - ref) > tol)
+    assert bad.size == 0, f"lanes {bad.tolist()}: got {got[bad].tolist()}, want {ref[bad].tolist()}"
+    if skip >= gb:
+        assert (regs["$0"] == _f32_bits(acc_in)).all(), "skipped blocks changed acc"
 
 
 @pytest.mark.parametrize("gb,skip", STEP_CASES)
 @pytest.mark.parametrize("seed", range(3))
 def test_mma_step_matches_reference(gb, skip, seed):
-    """_load_asm then _math_asm: the load registers match the layout, and every lane's four
-    accumulators = acc_in + the scaled block dot products of its rows; skip < 0 (a later K split)
+    """_load_asm then _math_asm: the load registers match the layout, and every lane's accumulator
+    = acc_in + the scaled block dot products of its row; skip < 0 (a later K split)
     and skip >= gb (a split wholly repeated) occur in _mma_rows."""
     _check_step(gb, skip, seed)
 

@@ -2,6 +2,7 @@
 forward pass vs moe_ref, in both regimes, on odd and block-boundary shapes; real shapes on the GPU."""
 
 import dataclasses
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ from gptoss_cli.kernels.moe import (
     router_logits,
 )
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
+from gptoss_cli.kernels.moe_gemv_mma import mma_plan
 from gptoss_cli.kernels.moe_matmul import (
     FOLD_MAX_SCALE,
+    _tile_heights,
     checkpoint_blocks,
     expert_weight,
     moe_combine,
@@ -34,11 +37,10 @@ from gptoss_cli.kernels.moe_matmul import (
     moe_gemm1_swiglu_ref,
     moe_gemm2,
     moe_gemm2_ref,
-    _tile_heights,
 )
 from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
-from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -948,10 +950,13 @@ def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
 GEMV_MMA = dataclasses.replace(GEMV, block_n1=16, block_n2=32, block_k=128, asm_dequant=True, gemv_f16=True,
                                gemv_mma=True)
 GEMV_MMA_WIDE = dataclasses.replace(GEMV_MMA, block_n1=32, block_n2=64, block_k=256)
+GEMV_MMA_AHEAD = dataclasses.replace(GEMV_MMA_WIDE, gemv_ahead=2)  # loads two K steps before their mmas
 
 
 @requires_gpu
-@pytest.mark.parametrize("config", [GEMV_MMA, GEMV_MMA_WIDE], ids=["k128", "wide"])
+@pytest.mark.parametrize("config", [GEMV_MMA, GEMV_MMA_WIDE, GEMV_MMA_AHEAD,
+                                    dataclasses.replace(GEMV_MMA, gemv_ahead=2)],
+                         ids=["k128", "wide", "wide-ahead-2", "k128-ahead-2"])
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [(1, 32, 2880, 2880, 4), (3, 8, 576, 224, 2),
                                                                (2, 4, 1024, 512, 4)])
 def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
@@ -977,6 +982,16 @@ def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
         moe_gemv1_swiglu(x, r, w, limit, alpha, f16).float(), in_slot_order.float()) + 1e-3
     y = moe_gemv2(in_slot_order, r, w, config)
     assert_close(y, moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2 (mma)")
+
+
+def test_mma_plan_runs_one_step_ahead_where_k_is_one_step():
+    plan = functools.partial(mma_plan, 16, num_warps=4, ahead=2)
+    assert plan(64, 256, 64, 128) == (2, 2)  # 64 rows: 2 pairs of tiles x 2 K splits; K = 2 steps of 128
+    assert plan(64, 160, 64, 128) == (2, 2)  # the second step moved back over the first
+    assert plan(64, 128, 64, 128) == (2, 1)  # a single K step
+    assert plan(64, 96, 64, 128) == (0, 1)  # K shorter than a step: packed fp16
+    assert plan(48, 256, 64, 128) == (0, 1)  # not whole pairs of tiles
+    assert mma_plan(16, 64, 256, 64, 128, 4, 1) == (2, 1)
 
 
 @requires_gpu

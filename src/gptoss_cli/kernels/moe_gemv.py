@@ -201,13 +201,13 @@ def _mx_gemv(
 def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, n_rows,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
-    MMA: tl.constexpr, MMA_SPLITS: tl.constexpr,
+    MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
     (moe_gemv_mma.py), else packed fp16 when F16; either redone in fp32 if an fp16 value overflowed."""
     if MMA:
         acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
-                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS)
+                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD)
         acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
                                   ROW_GROUP)
     elif F16:
@@ -266,7 +266,7 @@ def _gemv1_swiglu_kernel(
     logits_ptr, stride_lt, topk_weights_ptr, num_experts,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
-    LOGITS: tl.constexpr = False,
+    MMA_AHEAD: tl.constexpr = 1, LOGITS: tl.constexpr = False,
     BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
@@ -281,7 +281,7 @@ def _gemv1_swiglu_kernel(
     wrow_ok = wrows < 2 * inter
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * inter, 2 * BLOCK_N, BLOCK_K, ASM, F16,
-                    ROW_GROUP, MMA, MMA_SPLITS)
+                    ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,7 +295,7 @@ def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
     y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
-    ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
+    ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1, MMA_AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)
     slot, expert = _slot_expert(topk_ids_ptr)
@@ -304,7 +304,7 @@ def _gemv2_kernel(
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
     acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
                     stride_wn, stride_sg, hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA,
-                    MMA_SPLITS)
+                    MMA_SPLITS, MMA_AHEAD)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
     y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
     tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
@@ -326,9 +326,10 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
     width), the weights, their `rows` per program, `n` rows in all and K step."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     f16 = asm and config.gemv_f16
-    splits = mma_plan(w.row_group, n, a.shape[1], rows, block_k, config.num_warps) if f16 and config.gemv_mma else 0
+    splits, ahead = (mma_plan(w.row_group, n, a.shape[1], rows, block_k, config.num_warps, config.gemv_ahead)
+                     if f16 and config.gemv_mma else (0, 1))
     return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": block_k, "ASM": asm, "F16": f16, "MMA": splits > 0,
-            "MMA_SPLITS": max(splits, 1),
+            "MMA_SPLITS": max(splits, 1), "MMA_AHEAD": ahead,
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 

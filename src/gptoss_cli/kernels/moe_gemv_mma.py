@@ -7,7 +7,7 @@ Why: the packed-fp16 gemv spends ~8 SASS instructions per weight byte (dequantis
 dependent fp16 FMAs per block), about the bandwidth floor's time in issue alone
 (docs/optimizations.md, session 21). Here the FMAs go to the tensor cores and each lane's
 registers already are its part of an m16n8k16 A fragment, so nothing passes through shared
-memory: ~44 instructions per 8 weight bytes per lane (offline sm_90 SASS).
+memory: ~41-44 instructions per 8 weight bytes per lane (offline sm_90 SASS, session 23).
 
 Fragments (PTX ISA, mma.m16n8k16 with .f16 A/B, .f32 C/D). Lane l = 4r + t (r = l // 4, t = l % 4)
 holds A rows r and r + 8 at K labels (2t, 2t + 1, 2t + 8, 2t + 9), B column r at those labels,
@@ -21,13 +21,18 @@ the word's 8 values), and one prmt per pair picks two such bytes next to zero by
 FP4 value times 2**-14 exactly (e = 0 lands on fp16 subnormals, which the tensor cores take as they
 are); the 2**14 is put back after the K loop. Two mmas cover a block column: pairs 0, 1 then
 2, 3, with B = the activations' matching pairs in fp16. Every B column holds the token (so lanes
-load x without a mask), and lane (r, 0)'s d0 and d2 are rows r and r + 8. Each block column's D
-is scaled by its E8M0 scale in fp32. One asm instance takes TILES tiles (sharing the activation
+load x without a mask), and so every lane (r, t) ends with D rows r and r + 8 of both tiles of its
+pair: it keeps row r + 8t (tile t // 2, row r + 8 (t % 2)), scales it by that row's E8M0 scale in
+fp32 and accumulates it, so the 32 lanes hold the pair's 32 rows and each loads one scale byte
+(32 contiguous bytes per warp). One asm instance takes TILES = 2 tiles (sharing the activation
 pairs) and GB block columns. Its loads (_load_asm) and its mmas (_math_asm) are two pieces of asm,
-software-pipelined one K step apart through loop-carried tuples: with the loads inside the mmas'
-asm, ptxas sank each load down to its use and kept two or three in flight per warp (session 22).
+software-pipelined AHEAD (1 or 2) K steps apart through loop-carried tuples: with the loads inside
+the mmas' asm, ptxas sank each load down to its use and kept two or three in flight per warp
+(session 22). Only the weights travel through the loop-carried registers (5 per block column: 4
+words and a scale byte); the math step reads its activations itself, from L1 (session 23: the
+pipelined registers are the bytes in flight, and two steps ahead fit in 94 registers).
 
-Layout: all memory goes through the inline asm (_load_asm), and every tensor handed to it is
+Layout: all memory goes through the inline asm, and every tensor handed to it is
 [KS, pairs, 32] built from aranges, whose default Triton layout puts the 32 lanes on the last
 dimension: nothing in Triton can choose another (a tl.load could: the coalescing pass orders
 dimensions by contiguity, and put lanes on the tile dimension in an offline sm_90 compile). The
@@ -65,94 +70,92 @@ def _pairs(regs: tuple[str, str, str, str]) -> str:
             f" prmt.b32 {p1}, hh, 0, 0x2404; prmt.b32 {p3}, hh, 0, 0x3414;")
 
 
-TILES = tl.constexpr(2)  # 16-row tiles per asm instance: they share its activation pairs
-# Registers one block column loads per lane: TILES * 2 words, as many scale bytes, 4 words of x.
-LOADED = 4 * TILES.value + 4
+TILES = tl.constexpr(2)  # 16-row tiles per asm instance (one pair): they share its activation pairs
+# Registers one block column loads per lane ahead of its mmas: the words of rows r and r + 8 of
+# both tiles, and the scale byte of the row the lane accumulates. (The activations are read in the
+# math step: L1 hits, and registers held across the loop would cost bytes in flight.)
+LOADED = 2 * TILES.value + 1
 
 
 def _load_asm(gb: int) -> str:
-    """Loads of one K step of gb block columns for TILES tiles, per lane; outputs, block column g at
-    $(12 g) on: the words of (tile 0 row r, tile 0 row r + 8, tile 1 row r, tile 1 row r + 8), their
-    scale bytes, and x[8t .. 8t + 7] as 4 words of bf16 pairs. Inputs after the 12 gb outputs:
-    the word of tile 0 row r at the step's first block column (row r + 8: + 128 bytes; block
-    column g: + 256 g; tile 1: + the second input's bytes); the scale byte of tile 0 row r there
-    (row r + 8: + 8; tile 1: + 16; block column g: + g * the fourth input); x[8t] there (block
-    column g: + 64 g bytes), read for g >= the sixth input (zeros before: the last step is moved
-    back to end at K, and the block columns it repeats must count as x = 0). The weights'
-    addresses are always valid (the caller clamps them)."""
-    n = TILES.value * 2
-    ins = [f"${LOADED * gb + i}" for i in range(6)]
-    w0, wt, s0, sb, x0, skip = ins
+    """Loads of one K step of gb block columns for a pair of tiles, per lane (r, t); outputs, block
+    column g at $(5 g) on: the words of (tile 0 row r, tile 0 row r + 8, tile 1 row r, tile 1 row
+    r + 8), then the scale byte of the pair's row r + 8t. Inputs after the 5 gb outputs: the first
+    word's address at the step's first block column (row r + 8: + 128 bytes; block column g:
+    + 256 g; tile 1: + the second input's bytes); the scale byte's there (block column g: + g * the
+    fourth input). The addresses are always valid (the caller clamps them)."""
+    w0, wt, s0, sb = (f"${LOADED * gb + i}" for i in range(4))
     out = []
     for g in range(gb):
         base = LOADED * g
-        for k in range(n):
-            tile, half = divmod(k, 2)
-            out.append(f"\nld.global.nc.b32 ${base + k}, [{w0 if tile == 0 else 'w1'}+{256 * g + 128 * half}];"
-                       f" ld.global.nc.u8 ${base + n + k}, [sp+{16 * tile + 8 * half}];")
-        xs = [f"${base + 2 * n + i}" for i in range(4)]
-        out.append("".join(f" mov.b32 {r}, 0;" for r in xs)
-                   + f"\nsetp.le.s32 p, {skip}, {g}; @p ld.global.v4.b32 {{{', '.join(xs)}}}, [{x0}+{64 * g}];"
-                   + ("\nadd.s64 sp, sp, sg;" if g + 1 < gb else ""))
-    return ("{\n.reg .pred p;\n.reg .b64 w1, sp, sg;"
-            f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};" + "".join(out) + "\n}")
+        out.extend(f" ld.global.nc.b32 ${base + k}, [{w0 if k < 2 else 'w1'}+{256 * g + 128 * (k % 2)}];"
+                   for k in range(2 * TILES.value))
+        out.append(f"\nld.global.nc.u8 ${base + 2 * TILES.value}, [sp];" + ("\nadd.s64 sp, sp, sg;" if g + 1 < gb else ""))
+    return ("{\n.reg .b64 w1, sp, sg;"
+            f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};\n" + "".join(out) + "\n}")
 
 
 def _math_asm(gb: int) -> str:
-    """The mmas of one K step (_load_asm's registers): $0..$3 = acc + D * scale for (tile 0 rows r,
-    tile 0 rows r + 8, tile 1 rows r, tile 1 rows r + 8), from $4..$7; block column g's loaded
-    registers at $(8 + 12 g) on, in _load_asm's order."""
-    n = TILES.value * 2
-    math = []
+    """The mmas of one K step (_load_asm's registers): $0 = $1 + the scaled dot products of lane
+    (r, t)'s row r + 8t of the pair; block column g's loaded registers at $(2 + 5 g) on, in
+    _load_asm's order; then the address of x[8t] at the step's first block column (block column g:
+    + 64 g bytes), read for g >= the next input (zeros before: the last step is moved back to end at
+    K, and the block columns it repeats must count as x = 0), then t. Lane (r, t) holds D rows r and
+    r + 8 of both tiles' mmas (every B column is the token) and keeps the one of row r + 8t: tile
+    t // 2, row r + 8 (t % 2)."""
+    n = 2 * TILES.value
+    x0, skip, lane_t = (f"${2 + LOADED * gb + i}" for i in range(3))
+    xs = [[f"x{g}_{i}" for i in range(4)] for g in range(gb)]
+    math = [f"\nand.b32 q, {lane_t}, 1; setp.ne.s32 odd, q, 0; and.b32 q, {lane_t}, 2; setp.ne.s32 second, q, 0;"]
+    for g in range(gb):  # all of the step's activation loads first: their latency overlaps the unpacking
+        math.append("\n" + "".join(f" mov.b32 {r}, 0;" for r in xs[g])
+                    + f" setp.le.s32 p, {skip}, {g}; @p ld.global.v4.b32 {{{', '.join(xs[g])}}}, [{x0}+{64 * g}];")
     for g in range(gb):
-        base = 8 + LOADED * g
-        words, scales = [f"${base + k}" for k in range(n)], [f"${base + n + k}" for k in range(n)]
-        xs = [f"${base + 2 * n + i}" for i in range(4)]
+        base = 2 + LOADED * g
+        words, scale = [f"${base + k}" for k in range(n)], f"${base + n}"
         # x[8t + 2j .. + 1] in word j; pair i = (x_i, x_(i + 4)) from words i // 2 and i // 2 + 2.
         for i in range(4):
-            lo, hi = xs[i // 2], xs[i // 2 + 2]
+            lo, hi = xs[g][i // 2], xs[g][i // 2 + 2]
             if i % 2 == 0:
                 math.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
             else:
                 math.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
             math.append(f" cvt.rn.f16x2.f32 b{i}, fh, fl;")
-        for tile in range(TILES.value):
-            math.append(_high_bytes(words[2 * tile]) + _pairs(("a0", "a2", "a4", "a6")))
-            math.append(_high_bytes(words[2 * tile + 1]) + _pairs(("a1", "a3", "a5", "a7")))
+        for m in range(TILES.value):
+            math.append(_high_bytes(words[2 * m]) + _pairs(("a0", "a2", "a4", "a6")))
+            math.append(_high_bytes(words[2 * m + 1]) + _pairs(("a1", "a3", "a5", "a7")))
             math.append(
                 "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1},"
                 " {z, z, z, z};"
                 "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7}, {b2, b3},"
-                " {d0, d1, d2, d3};")
-            for half, d in ((0, "d0"), (1, "d2")):
-                k = 2 * tile + half
-                acc = f"${k}" if g else f"${4 + k}"
-                math.append(f"\nshl.b32 u, {scales[k]}, 23; mov.b32 fs, u; fma.rn.f32 ${k}, {d}, fs, {acc};")
+                f" {{d0, d1, d2, d3}};\nselp.f32 v{m}, d2, d0, odd;")
+        acc = "$0" if g else "$1"
+        math.append(f"\nselp.f32 v0, v1, v0, second; shl.b32 u, {scale}, 23; mov.b32 fs, u; fma.rn.f32 $0, v0, fs, {acc};")
     return (
-        "{\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3;"
-        "\n.reg .f32 d0, d1, d2, d3, z, fs, fl, fh;\nmov.f32 z, 0f00000000;" + "".join(math) + "\n}"
+        "{\n.reg .pred p, odd, second;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, "
+        + ", ".join(r for g in xs for r in g) + ";"
+        "\n.reg .f32 d0, d1, d2, d3, z, fs, fl, fh, v0, v1;\nmov.f32 z, 0f00000000;" + "".join(math) + "\n}"
     )
 
 
 def _asm_constants(gb: int) -> tuple:
     """(load text, its constraints, its result types, math text, its constraints) for gb columns."""
     loads = LOADED * gb
-    return (tl.constexpr(_load_asm(gb)), tl.constexpr("=r," * loads + "l,l,l,r,l,r"),
+    return (tl.constexpr(_load_asm(gb)), tl.constexpr("=r," * loads + "l,l,l,r"),
             tl.constexpr((tl.int32,) * loads), tl.constexpr(_math_asm(gb)),
-            tl.constexpr("=f,=f,=f,=f,f,f,f,f" + ",r" * loads))
+            tl.constexpr("=f,f" + ",r" * loads + ",l,r,r"))
 
 
 _LOAD_1, _LOAD_CONS_1, _LOAD_TYPES_1, _MATH_1, _MATH_CONS_1 = _asm_constants(1)
 _LOAD_2, _LOAD_CONS_2, _LOAD_TYPES_2, _MATH_2, _MATH_CONS_2 = _asm_constants(2)
 _LOAD_4, _LOAD_CONS_4, _LOAD_TYPES_4, _MATH_4, _MATH_CONS_4 = _asm_constants(4)
-_F32X4 = tl.constexpr((tl.float32,) * 4)
 
 
 @triton.jit
-def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, x_addr, skip):
-    """_load_asm(GB) on [KS, P, 32] operands: a tuple of 12 * GB int32 tensors. Not pure: the x
-    loads must stay after the PDL wait, like any read of a launch's output."""
-    args = [w_addr, w_tile, s_addr, s_block, x_addr, skip]
+def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block):
+    """_load_asm(GB) on [KS, P, 32] operands: a tuple of LOADED * GB int32 tensors. Not pure, so
+    that nothing moves the loads (the K loop's software pipelining places them)."""
+    args = [w_addr, w_tile, s_addr, s_block]
     if GB == 1:
         out = tl.inline_asm_elementwise(_LOAD_1, _LOAD_CONS_1, args, dtype=_LOAD_TYPES_1, is_pure=False, pack=1)
     elif GB == 2:
@@ -164,76 +167,77 @@ def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, x_addr, skip):
 
 
 @triton.jit
-def _math_step(GB: tl.constexpr, accs, loaded):
-    """_math_asm(GB): the four accumulators after one K step of `loaded` (_load_step's tuple)."""
+def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t):
+    """_math_asm(GB): the accumulator after one K step of `loaded` (_load_step's tuple). Not pure:
+    its activation loads must stay after the PDL wait, like any read of a launch's output."""
+    args = (acc,) + loaded + (x_addr, skip, lane_t)
     if GB == 1:
-        out = tl.inline_asm_elementwise(_MATH_1, _MATH_CONS_1, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(_MATH_1, _MATH_CONS_1, args, dtype=tl.float32, is_pure=False, pack=1)
     elif GB == 2:
-        out = tl.inline_asm_elementwise(_MATH_2, _MATH_CONS_2, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(_MATH_2, _MATH_CONS_2, args, dtype=tl.float32, is_pure=False, pack=1)
     else:
-        out = tl.inline_asm_elementwise(_MATH_4, _MATH_CONS_4, accs + loaded, dtype=_F32X4, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(_MATH_4, _MATH_CONS_4, args, dtype=tl.float32, is_pure=False, pack=1)
     return out
 
 
 @triton.jit
 def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
-              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr):
+              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr):
     """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
     garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
     Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): each K step covers KS * GB
-    block columns, GB per asm instance. All memory goes through the inline asm, so no layout
-    choice of Triton's can move the lanes off the last dimension."""
+    block columns, GB per asm instance; the loads run AHEAD (1 or 2) K steps before their mmas.
+    All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
+    off the last dimension."""
     P: tl.constexpr = T // TILES
     lane = tl.arange(0, 32)[None, None, :]
     split = tl.arange(0, KS)[:, None, None]
     # Clamped: the asm reads every tile it is given; rows of tiles past the end are masked later.
     tile = tl.minimum(first_tile + tl.arange(0, P)[None, :, None] * TILES, n_tiles - TILES)
     n_blocks = K // 32
-    # Lane l's word of row r at block column 0 is word l of the tile's first 256 bytes (row + 8: + 128 bytes).
     own = split * GB  # this split's first block column within a step
-    w_ptrs = w_base + tile.to(tl.int64) * stride_wn + lane * 4 + own * 256
-    s_ptrs = s_base + tile * 16 + lane // 4 + own * stride_sg
     full = split * 0 + tile * 0 + lane * 0  # broadcasts scalars to the asm's [KS, P, 32] operands
-    x_ptrs = x_row + (lane % 4) * 8 + own * 32 + full  # every B column holds the token
+    lane_t = lane % 4 + full
+    # Lane l's word of row r at block column 0 is word l of the tile's first 256 bytes (row + 8: + 128 bytes).
+    w_ptrs = w_base + tile.to(tl.int64) * stride_wn + lane * 4 + own * 256
+    s_ptrs = s_base + tile * 16 + lane // 4 + lane_t * 8 + own * stride_sg  # row r + 8t of the pair
+    x_ptrs = x_row + lane_t * 8 + own * 32  # every B column holds the token
     w_tile = (stride_wn + full).to(tl.int64)
     s_block = stride_sg + full
-    zero = tl.zeros((KS, P, 32), dtype=tl.float32)
-    accs = (zero, zero, zero, zero)
+    no_skip = full - own
+    acc = tl.zeros((KS, P, 32), dtype=tl.float32)
     per_step = KS * GB
     last = n_blocks - per_step  # the last step is moved back to end at K
-    # Software-pipelined: the next step's loads are in flight while this step's mmas run. (Two
-    # steps ahead held 217 registers, or K steps half as long: both slower, session 22.)
-    loaded = _load_step(GB, w_ptrs.to(tl.int64), w_tile, s_ptrs.to(tl.int64), s_block, x_ptrs.to(tl.int64),
-                        full - own)
-    for kb in range(per_step, n_blocks, per_step):
-        ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_sg, kb, last, own)
-        accs = _math_step(GB, accs, loaded)
-        loaded = ahead
-    acc0, acc1, acc2, acc3 = _math_step(GB, accs, loaded)
-    # Lane (r, t) holds rows r and r + 8 in every column; take lane t = 0's.
-    lead = (lane % 4) == 0
-    r0 = _lane_rows(acc0, lead, P)
-    r1 = _lane_rows(acc1, lead, P)
-    r2 = _lane_rows(acc2, lead, P)
-    r3 = _lane_rows(acc3, lead, P)
-    rows = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [P, 8, half, tile]
-    return tl.reshape(tl.permute(rows, (0, 3, 2, 1)), (T * 16,)) * FP16_SHIFT
+    final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
+    # Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
+    loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last)
+    if AHEAD == 2:
+        second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last)
+        for kb in range(2 * per_step, n_blocks, per_step):
+            ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
+            acc = _math_step(GB, acc, loaded, (x_ptrs + (kb - 2 * per_step) * 32).to(tl.int64), no_skip, lane_t)
+            loaded = second
+            second = ahead
+        acc = _math_step(GB, acc, loaded, (x_ptrs + (final - per_step) * 32).to(tl.int64), no_skip, lane_t)
+        loaded = second
+    else:
+        for kb in range(per_step, n_blocks, per_step):
+            ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
+            acc = _math_step(GB, acc, loaded, (x_ptrs + (kb - per_step) * 32).to(tl.int64), no_skip, lane_t)
+            loaded = ahead
+    # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
+    moved = tl.minimum(final, last)
+    acc = _math_step(GB, acc, loaded, (x_ptrs + moved * 32).to(tl.int64), (final - moved) + no_skip, lane_t)
+    rows = tl.reshape(tl.sum(acc, axis=0), (P, 8, 4))  # lane (r, t): row r + 8t of pair p
+    return tl.reshape(tl.permute(rows, (0, 2, 1)), (T * 16,)) * FP16_SHIFT
 
 
 @triton.jit
-def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, x_ptrs, stride_sg, kb, last, own):
-    """_load_step for the K step at block column kb, moved back to `last` if it would pass K (the
-    block columns it repeats are skipped: the step before counted them)."""
+def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last):
+    """_load_step for the K step at block column kb, moved back to `last` if it would pass K."""
     first = tl.minimum(kb, last)
-    skip = (kb - first) - own + s_block * 0  # [KS, P, 32], as the other operands
     return _load_step(GB, (w_ptrs + first * 256).to(tl.int64), w_tile, (s_ptrs + first * stride_sg).to(tl.int64),
-                      s_block, (x_ptrs + first * 32).to(tl.int64), skip)
-
-
-@triton.jit
-def _lane_rows(acc, lead, P: tl.constexpr):
-    """[KS, P, 32] per-lane sums -> [P, 8]: the splits' sum of lane (r, 0)'s values for each r."""
-    return tl.sum(tl.reshape(tl.sum(tl.where(lead, acc, 0.0), axis=0), (P, 8, 4)), axis=2)
+                      s_block)
 
 
 def mma_splits(rows: int, block_k: int, num_warps: int) -> int:
@@ -250,13 +254,16 @@ def mma_splits(rows: int, block_k: int, num_warps: int) -> int:
     return splits
 
 
-def mma_plan(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps: int) -> int:
-    """The K splits of a launch on these kernels (mma_splits), or 0 where it does not suit them and
-    the packed-fp16 path runs: weights (`n` x `k`) not in the 16-row groups they read, not whole
-    pairs of tiles (a pair would straddle the end), programs of part of a pair, or K shorter than a
-    K step (the last step is moved back to end at K). A program shape that cannot split its K step
-    over the warps is an error (mma_splits)."""
+def mma_plan(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps: int, ahead: int) -> tuple[int, int]:
+    """(K splits, steps ahead) of a launch on these kernels (mma_splits), or (0, 1) where it does
+    not suit them and the packed-fp16 path runs: weights (`n` x `k`) not in the 16-row groups they
+    read, not whole pairs of tiles (a pair would straddle the end), programs of part of a pair, or
+    K shorter than a K step (the last step is moved back to end at K). Loads run `ahead` steps
+    before their mmas where K spans at least `ahead` K steps, else 1. A program shape that cannot
+    split its K step over the warps is an error (mma_splits)."""
     if row_group != ROW_GROUP or n % (16 * TILES.value) or rows % (16 * TILES.value):
-        return 0
+        return 0, 1
     splits = mma_splits(rows, block_k, num_warps)
-    return splits if k >= block_k else 0
+    if k < block_k:
+        return 0, 1
+    return splits, ahead if k > (ahead - 1) * block_k else 1
