@@ -56,8 +56,8 @@ class MoeConfig:
     # each gemv whose program rows (2 * block_n1, block_n2) are whole pairs of 16-row tiles, over
     # weights of whole pairs and K >= its K step; the other runs packed fp16.
     gemv_mma: bool = False
-    # gemv_mma: K steps whose loads are in flight while a step's mmas run (1 or 2; 1 where K is one
-    # step long).
+    # gemv_mma: K steps whose loads are in flight while a step's mmas run (1, 2 or 3; fewer where K
+    # has fewer steps).
     gemv_ahead: int = 1
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
@@ -134,8 +134,8 @@ class MoeConfig:
         if self.block_k2 and (self.block_k2 < VALUES_PER_BLOCK or self.block_k2 & (self.block_k2 - 1)):
             raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, "
                              f"got {self.block_k2}")
-        if self.gemv_ahead not in (1, 2):
-            raise ValueError(f"MoeConfig.gemv_ahead must be 1 or 2, got {self.gemv_ahead}")
+        if self.gemv_ahead not in (1, 2, 3):
+            raise ValueError(f"MoeConfig.gemv_ahead must be 1, 2 or 3, got {self.gemv_ahead}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
