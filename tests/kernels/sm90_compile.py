@@ -351,7 +351,6 @@ CASES = {
     "gemv2-f16": lambda: _gemv("gemv2", 16, 512, f16=True),
     "gemv1-mma-topk-32-experts": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True),
     "gemv1-mma-ahead-2": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True, ahead=2),
-    "gemv1-mma-ahead-3": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True, ahead=3),
     "gemv1-mma-1-pair": lambda: _gemv("gemv1", 16, 512, experts=32, mma=True),
     "gemv1-mma-topk-128-experts": lambda: _gemv("gemv1", 32, 256, experts=128, mma=True),
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),

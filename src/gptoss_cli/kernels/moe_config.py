@@ -56,8 +56,8 @@ class MoeConfig:
     # each gemv whose program rows (2 * block_n1, block_n2) are whole pairs of 16-row tiles, over
     # weights of whole pairs and K >= its K step; the other runs packed fp16.
     gemv_mma: bool = False
-    # gemv_mma: K steps whose loads are in flight while a step's mmas run (1, 2 or 3; fewer where K
-    # has fewer steps).
+    # gemv_mma: K steps whose loads are in flight while a step's mmas run (1 or 2; 1 where K is one
+    # step long).
     gemv_ahead: int = 1
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
@@ -134,8 +134,8 @@ class MoeConfig:
         if self.block_k2 and (self.block_k2 < VALUES_PER_BLOCK or self.block_k2 & (self.block_k2 - 1)):
             raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, "
                              f"got {self.block_k2}")
-        if self.gemv_ahead not in (1, 2, 3):
-            raise ValueError(f"MoeConfig.gemv_ahead must be 1, 2 or 3, got {self.gemv_ahead}")
+        if self.gemv_ahead not in (1, 2):
+            raise ValueError(f"MoeConfig.gemv_ahead must be 1 or 2, got {self.gemv_ahead}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
@@ -196,9 +196,10 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # gemv1 on the tensor cores (gemv_mma, session 22): 64 rows per program, the K step of 8
         # block columns split over 2 warps per pair of tiles; engine 576.4 -> 590.0 tok/s (120b 387.6
         # -> 391.3). Session 23: each lane keeps one row's sum and loads its scale byte coalesced, and
-        # the loads run 2 K steps ahead (94 registers): 590.4 -> 596.8. gemv2 stays packed fp16 on 8
-        # rows and K steps of 512: its mma form needs 32-row programs, and those cost the engine 7 %
-        # (session 22: 538.7 tok/s; session 23: 550.0) although bench_moe has them even.
+        # the loads run 2 K steps ahead (94 registers): 590.4 -> 596.8-598.1 tok/s (3 ahead: 594.0).
+        # gemv2 stays packed fp16 on 8 rows and K steps of 512: its mma form needs 32-row programs,
+        # and those cost the engine 7-8 % (538.7 tok/s in session 22, 550.0 in session 23) although
+        # bench_moe has them even.
         wide = 64 if is_interpreted() else 0
         return MoeConfig("decode", 16, wide or 32, wide or 8, 512 if wide else 256, num_warps=4, num_stages=3,
                          asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,

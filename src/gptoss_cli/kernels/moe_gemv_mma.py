@@ -26,11 +26,12 @@ pair: it keeps row r + 8t (tile t // 2, row r + 8 (t % 2)), scales it by that ro
 fp32 and accumulates it, so the 32 lanes hold the pair's 32 rows and each loads one scale byte
 (32 contiguous bytes per warp). One asm instance takes TILES = 2 tiles (sharing the activation
 pairs) and GB block columns. Its loads (_load_asm) and its mmas (_math_asm) are two pieces of asm,
-software-pipelined AHEAD (1-3) K steps apart through loop-carried tuples: with the loads inside
+software-pipelined AHEAD (1 or 2) K steps apart through loop-carried tuples: with the loads inside
 the mmas' asm, ptxas sank each load down to its use and kept two or three in flight per warp
 (session 22). Only the weights travel through the loop-carried registers (5 per block column: 4
 words and a scale byte); the math step reads its activations itself, from L1 (session 23: the
-pipelined registers are the bytes in flight, and two steps ahead fit in 94 registers).
+pipelined registers are the bytes in flight, and two steps ahead fit in 94 registers; three
+ahead, 135 registers, were slower in the engine).
 
 Layout: all memory goes through the inline asm, and every tensor handed to it is
 [KS, pairs, 32] built from aranges, whose default Triton layout puts the 32 lanes on the last
@@ -186,7 +187,7 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
     """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
     garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
     Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): each K step covers KS * GB
-    block columns, GB per asm instance; the loads run AHEAD (1, 2 or 3; at most K's steps) K steps
+    block columns, GB per asm instance; the loads run AHEAD (1 or 2; at most K's steps) K steps
     before their mmas.
     All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
     off the last dimension."""
@@ -212,19 +213,7 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
     final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
     # Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
     loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last)
-    if AHEAD == 3:
-        second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last)
-        third = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 2 * per_step, last)
-        for kb in range(3 * per_step, n_blocks, per_step):
-            ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_step(GB, acc, loaded, (x_ptrs + (kb - 3 * per_step) * 32).to(tl.int64), no_skip, lane_t)
-            loaded = second
-            second = third
-            third = ahead
-        acc = _math_step(GB, acc, loaded, (x_ptrs + (final - 2 * per_step) * 32).to(tl.int64), no_skip, lane_t)
-        acc = _math_step(GB, acc, second, (x_ptrs + (final - per_step) * 32).to(tl.int64), no_skip, lane_t)
-        loaded = third
-    elif AHEAD == 2:
+    if AHEAD == 2:
         second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
@@ -272,8 +261,8 @@ def mma_plan(row_group: int, n: int, k: int, rows: int, block_k: int, num_warps:
     not suit them and the packed-fp16 path runs: weights (`n` x `k`) not in the 16-row groups they
     read, not whole pairs of tiles (a pair would straddle the end), programs of part of a pair, or
     K shorter than a K step (the last step is moved back to end at K). Loads run `ahead` steps
-    before their mmas, or as many as K has steps. A program shape that cannot
-    split its K step over the warps is an error (mma_splits)."""
+    before their mmas, or as many as K has steps. A program shape that cannot split its K step
+    over the warps is an error (mma_splits)."""
     if row_group != ROW_GROUP or n % (16 * TILES.value) or rows % (16 * TILES.value):
         return 0, 1
     splits = mma_splits(rows, block_k, num_warps)
