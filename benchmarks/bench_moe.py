@@ -200,6 +200,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "mma-n32": {"block_n1": 16, "block_k": 512},  # 1 pair: 4 splits x 4 columns
     "mma-k128": {"block_k": 128},  # 2 pairs: 2 splits x 2 columns
     "mma-both": {"block_n2": 32, "block_k2": 256},  # gemv2 on mma too: 1 pair, 4 splits x 2 columns
+    "mma-both-k512": {"block_n2": 32, "block_k2": 512},  # gemv2 on mma, 4 splits x 4 columns, as gemv1's steps
     "mma-ahead1": {"gemv_ahead": 1},  # loads one K step before their mmas (session 22)
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
@@ -235,7 +236,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 }
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
-    1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both", "mma-ahead1"],
+    1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both", "mma-both-k512", "mma-ahead1"],
     64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],

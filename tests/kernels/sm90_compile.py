@@ -355,6 +355,7 @@ CASES = {
     "gemv1-mma-topk-128-experts": lambda: _gemv("gemv1", 32, 256, experts=128, mma=True),
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),
     "gemv2-mma-2-pairs": lambda: _gemv("gemv2", 64, 256, mma=True),
+    "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
 }
 
 
