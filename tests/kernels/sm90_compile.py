@@ -210,7 +210,8 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
                 "topk_ids_ptr": "*i32"}
     rows = 2 * block_n if which == "gemv1" else block_n
     common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16 or mma, "PDL": True,
-              "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1, "MMA_AHEAD": ahead}
+              "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1,
+              "MMA_AHEAD": ahead}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}

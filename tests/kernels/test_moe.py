@@ -950,12 +950,12 @@ def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
 GEMV_MMA = dataclasses.replace(GEMV, block_n1=16, block_n2=32, block_k=128, asm_dequant=True, gemv_f16=True,
                                gemv_mma=True)
 GEMV_MMA_WIDE = dataclasses.replace(GEMV_MMA, block_n1=32, block_n2=64, block_k=256)
-GEMV_MMA_AHEAD = dataclasses.replace(GEMV_MMA_WIDE, gemv_ahead=2)  # loads two K steps before their mmas
 
 
 @requires_gpu
-@pytest.mark.parametrize("config", [GEMV_MMA, GEMV_MMA_WIDE, GEMV_MMA_AHEAD, dataclasses.replace(GEMV_MMA, gemv_ahead=2)],
-                         ids=["k128", "wide", "wide-ahead-2", "k128-ahead-2"])
+@pytest.mark.parametrize("config", [GEMV_MMA, GEMV_MMA_WIDE, *(dataclasses.replace(c, gemv_ahead=2)
+                                                               for c in (GEMV_MMA, GEMV_MMA_WIDE))],
+                         ids=["k128", "wide", "k128-ahead-2", "wide-ahead-2"])
 @pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [(1, 32, 2880, 2880, 4), (3, 8, 576, 224, 2),
                                                                (2, 4, 1024, 512, 4)])
 def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
@@ -967,8 +967,9 @@ def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
     device, dtype = "cuda", torch.bfloat16
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), row_group=16)
     if hidden >= config.block_k and inter >= config.block_k:
-        assert moe_gemv._launch_options(config, torch.empty(1, hidden, device=device, dtype=dtype), w,
-                                        2 * config.block_n1, 2 * inter, config.block_k)["MMA"]
+        launch = moe_gemv._launch_options(config, torch.empty(1, hidden, device=device, dtype=dtype), w,
+                                          2 * config.block_n1, 2 * inter, config.block_k)
+        assert launch["MMA"] and launch["MMA_AHEAD"] == (config.gemv_ahead if hidden > config.block_k else 1)
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
     limit, alpha = 7.0, 1.702
