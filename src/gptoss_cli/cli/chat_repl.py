@@ -149,8 +149,9 @@ WITH_REASONING = "--with-reasoning"
 
 
 def _save(session: ChatSession, out: ChatRenderer, arg: str) -> None:
-    reasoning = WITH_REASONING in arg.split()
-    target = " ".join(word for word in arg.split(" ") if word != WITH_REASONING).strip()
+    words = arg.split(" ")  # not split(): a path may hold runs of spaces
+    reasoning = WITH_REASONING in words
+    target = " ".join(word for word in words if word != WITH_REASONING).strip()
     if reasoning and not target.lower().endswith(".md"):
         out.ui.error(f"{WITH_REASONING} is for Markdown transcripts", "e.g. /save chat.md --with-reasoning "
                      "(a .json file always keeps the reasoning)")

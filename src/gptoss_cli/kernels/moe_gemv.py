@@ -204,20 +204,20 @@ def _row_dots(
     MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
-    (moe_gemv_mma.py), else packed fp16 when F16; either redone in fp32 if an fp16 value overflowed."""
+    (moe_gemv_mma.py; only with F16), else packed fp16 when F16; either redone in fp32 if an fp16
+    value overflowed."""
     if MMA:
         acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
                         stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD)
-        acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
-                                  ROW_GROUP)
     elif F16:
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
                            ROW_GROUP)
-        acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
-                                  ROW_GROUP)
     else:
         acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
                        ROW_GROUP)
+    if F16:
+        acc = _fp32_if_overflowed(acc, x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R,
+                                  ROW_GROUP)
     return acc
 
 
