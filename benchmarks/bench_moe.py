@@ -143,6 +143,8 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
 BOTH_GEMMS = {"block_k2": 0, "maxnreg2": None}
 GEMV = {"gemv": True, "block_n1": 16, "block_n2": 16, "block_k": 256, "split_k": 1}
 F16_GEMV = {"gemv_mma": False, "block_n1": 16, "block_n2": 8, "block_k": 512, "block_k2": 0}
+GROUP = {"group_mma": True, "block_m": 16, "block_n1": 32, "block_n2": 64, "block_k": 256, "num_warps": 4,
+         "group_ahead": 2, "split_k": 1} | BOTH_GEMMS
 VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     # T=1: matrix-vector kernels, packed fp16; decode: packed-bf16 (inline asm) tiles; prefill: the
     # same asm with the weights as wgmma's register operand (swap_ab)
@@ -202,6 +204,13 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "mma-both": {"block_n2": 32, "block_k2": 256},  # gemv2 on mma too: 1 pair, 4 splits x 2 columns
     "mma-both-k512": {"block_n2": 32, "block_k2": 512},  # gemv2 on mma, 4 splits x 4 columns, as gemv1's steps
     "mma-ahead1": {"gemv_ahead": 1},  # loads one K step before their mmas (session 22)
+    # Decode tiles of up to 16 rows on the tensor cores fed from the packed words (MoeConfig.group_mma,
+    # moe_group_mma.py): 64 gemm1 weight rows (2 pairs of tiles x 2 K splits) and 64 gemm2 columns
+    # per program, 4 block columns per asm step, loads 2 K steps ahead.
+    "group": GROUP,
+    "group-ahead1": GROUP | {"group_ahead": 1},
+    "group-k128": GROUP | {"block_k": 128},  # 2 block columns per asm step
+    "group-n16": GROUP | {"block_n1": 16, "block_n2": 32},  # 1 pair of tiles x 4 K splits, 2 columns per step
     # Longer K steps in the decode tiles and gemv2: with grouped rows (MoeWeights.row_group) each
     # step's bytes are contiguous, so fewer, longer steps may keep more bytes in flight.
     "k128": {"block_k": 128} | BOTH_GEMMS,
@@ -237,7 +246,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both", "mma-both-k512", "mma-ahead1"],
-    64: ["default", "s12-tiles", "t64w1", "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled",
+    64: ["default", "group", "group-ahead1", "group-k128", "group-n16", "s12-tiles", "t64w1", "t128w4", "unfolded",
+         "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
@@ -263,6 +273,11 @@ def _kernels(st: _Setup, variant):
     """(kernel, config, fn, layers per call, bytes, flops) for the matmul-based kernels of one variant."""
     from gptoss_cli.kernels.moe import moe_forward, pick_config
     from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
+    from gptoss_cli.kernels.moe_group_mma import (
+        group_fits,
+        moe_group_gemm1_swiglu,
+        moe_group_gemm2,
+    )
     from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2, slot_dtype
 
     case, r, ws = st.case, st.routing, st.weights
@@ -283,7 +298,8 @@ def _kernels(st: _Setup, variant):
     y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
         torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
-    g2, logit_bytes = (moe_gemv2 if cfg.gemv else moe_gemm2), 0
+    group = not cfg.gemv and group_fits(cfg, st.x.dtype, ws[0])
+    g2, logit_bytes = (moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2), 0
     if cfg.gemv:
         # With gemv_topk every gemv1 program takes its slot's top-k from the router logits, as
         # moe_forward runs it. Until session 19 this row left that prologue out, and 8-column
@@ -294,8 +310,10 @@ def _kernels(st: _Setup, variant):
         def gemm1():
             return [moe_gemv1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act, logits=logits) for w in ws]
     else:
+        g1 = moe_group_gemm1_swiglu if group else moe_gemm1_swiglu
+
         def gemm1():
-            return [moe_gemm1_swiglu(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
+            return [g1(st.x, r, w, 7.0, 1.702, cfg, out=st.act) for w in ws]
 
     def gemm2():
         return [g2(st.act, r, w, cfg, out=y_out) for w in ws]

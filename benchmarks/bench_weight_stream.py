@@ -11,7 +11,7 @@ experts' 33 MB. This script streams the same bytes with no arithmetic, in three 
 If strided is much slower than blocked, a one-time reordering of the packed bytes at load is a
 bandwidth lever for the gemv; if they tie, the gemv's limit is elsewhere.
 
-    PYTHONPATH=src python benchmarks/bench_weight_stream.py          # H200
+    PYTHONPATH=src python benchmarks/bench_weight_stream.py [--batch64]   # H200
 """
 
 from __future__ import annotations
@@ -82,15 +82,17 @@ def _graph_us(launches: list, replays: int = 20) -> float:
     return _graph_ms(lambda: [fn() for fn in launches], calls=1, replays=replays) * 1e3 / len(launches)
 
 
-def run(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: int, calls: int = 24) -> None:
+def run(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: int, calls: int = 24,
+        per_call: int = 4) -> None:
+    """Each call reads `per_call` of the `experts` (4: a batch-1 step; all 32 of 20b: a batch-64 step)."""
     w = torch.randint(-2**31, 2**31 - 1, (experts, rows, k_bytes // 4), dtype=torch.int32, device="cuda")
     w = w.view(torch.uint8).view(experts, rows, k_bytes)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    # A different set of 4 experts per call: 33 MB per call, so consecutive calls miss L2.
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:4] for _ in range(calls)]).to(torch.int32).cuda()
-    out = torch.empty(4 * rows // block_r, dtype=torch.int32, device="cuda")
-    grid = (4, rows // block_r)
-    nbytes = 4 * rows * k_bytes
+    # A different set of experts per call (4: 33 MB), so consecutive calls mostly miss L2.
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:per_call] for _ in range(calls)]).to(torch.int32).cuda()
+    out = torch.empty(per_call * rows // block_r, dtype=torch.int32, device="cuda")
+    grid = (per_call, rows // block_r)
+    nbytes = per_call * rows * k_bytes
 
     def strided(i):
         return lambda: _strided_kernel[grid](w, ids[i], out, w.stride(0), w.stride(1), k_bytes, BLOCK_R=block_r, G=g,
@@ -107,13 +109,21 @@ def run(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: 
     for name, make in (("strided", strided), ("blocked", blocked), ("rowwise", rowwise), ("strided", strided),
                        ("blocked", blocked)):
         us = _graph_us([make(i) for i in range(calls)])
-        print(f"E={experts} N={rows} K bytes={k_bytes} rows/program={block_r} step={g * 16} B warps={num_warps} "
+        print(f"E={per_call}/{experts} N={rows} K bytes={k_bytes} rows/program={block_r} step={g * 16} B "
+              f"warps={num_warps} "
               f"{name:8} {us:7.2f} us  {nbytes / us / 1e6:6.2f} TB/s  {100 * nbytes / us / 1e6 / COPY_TBPS:5.1f} %",
               flush=True)
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch64", action="store_true",
+                        help="a batch-64 step's volume instead: all 32 experts of a 128-expert pool per call")
+    if parser.parse_args().batch64:
+        run(128, 5760, 1440, 128, 2, 2, calls=8, per_call=32)  # the decode tiles' gemm1 programs (K step 64)
+        run(128, 5760, 1440, 64, 16, 4, calls=8, per_call=32)  # the grouped mma's (K step 512 values)
+        run(128, 5760, 1440, 16, 32, 4, calls=8, per_call=32)
+        return
     run(32, 5760, 1440, 32, 16, 4)  # gemv1's tile (16 columns = 32 W1 rows, K step 512 values)
     run(32, 2880, 1440, 8, 16, 4)  # gemv2's tile (8 rows, K step 512 values)
     run(32, 5760, 1440, 16, 32, 4)  # longer steps, fewer rows (session 9: faster alone)

@@ -259,6 +259,9 @@ def section_e20b(args) -> None:
         # One at a time: batch-1 decode steps, the only ones that take the fused qkv + RoPE launch.
         alone = [eng.generate([p], greedy)[0].token_ids for p in prompts[:4]]
         row(sec, "greedy 64 tok, batch 1: engine == reference (4 prompts)", _agree(alone, want[:4]))
+        # Eight at once: decode steps of 8 tokens (1 row per expert), the grouped tensor-core kernels.
+        eight = [o.token_ids for o in eng.generate(prompts[:8], greedy)]
+        row(sec, "greedy 64 tok, batch 8: engine == reference (8 prompts)", _agree(eight, want[:8]))
         results[dtype] = (eng, ours)
         del ref
         torch.cuda.empty_cache()

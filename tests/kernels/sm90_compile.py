@@ -101,9 +101,10 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
     import triton.language as tl
 
     from gptoss_cli.kernels import moe_matmul as mm
-    from gptoss_cli.kernels.moe_config import pick_config
+    from gptoss_cli.kernels.moe_config import regime_config
 
-    config = pick_config(num_tokens, 32, 4)
+    # The tiles as pick_config chooses them where the grouped kernels do not run (group_mma).
+    config = regime_config("decode", num_tokens, 32, 4, group=False)
     ptrs = {n: "*i32" for n in ("sorted_slots_ptr", "tile_expert_ptr", "tile_start_ptr", "offsets_ptr")}
     ptrs |= {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32"}
     common = {"BLOCK_M": config.block_m, "GROUP_M": config.group_m,
@@ -223,9 +224,49 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         if "HMMA.16816.F32" not in _loop_body(sass(kernel)):
             raise RuntimeError(f"{which}: no mma in the K loop")
         _no_spills(kernel, which)
+        _lanes_last(kernel, which)
     elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
+
+
+def _group(which: str, block_n: int, block_k: int, num_warps: int = 4, ahead: int = 2):
+    """The grouped decode kernels (moe_group_mma.py, MoeConfig.group_mma): both group bodies must hold
+    mmas in their K loops (the fp32 fallback's loops have none), and ptxas must not spill."""
+    from gptoss_cli.kernels import moe_group_mma as mg
+    from gptoss_cli.kernels.moe_gemv_mma import mma_splits
+    from gptoss_cli.kernels.moe_matmul import ROW_GROUP
+
+    pointers = {"w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "sorted_slots_ptr": "*i32",
+                "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "offsets_ptr": "*i32"}
+    rows = 2 * block_n if which == "gemm1" else block_n
+    common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ROW_GROUP": ROW_GROUP,
+              "KS": mma_splits(rows, block_k, num_warps), "AHEAD": ahead}
+    if which == "gemm1":
+        pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16"}
+        kernel = compile_sm90(mg._group_gemm1_swiglu_kernel, pointers, {"TOP_K": 4, **common}, num_warps)
+    else:
+        pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
+        kernel = compile_sm90(mg._group_gemm2_kernel, pointers, common, num_warps)
+    if sum("HMMA.16816.F32" in b for b in _loop_bodies(sass(kernel), 6)) < 2:
+        raise RuntimeError(f"{which}: the two group bodies' K loops do not both hold mmas")
+    _no_spills(kernel, which)
+    _lanes_last(kernel, which)
+    return kernel
+
+
+def _lanes_last(kernel, what: str) -> None:
+    """Every operand of the tensor-core asm steps ([KS, P, 32]) must keep the 32 lanes of a warp on
+    its last dimension: a tl.load of that shape anchored another layout once (session 24), and
+    the asm then ran on the wrong lanes."""
+    ir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    for line in ir.split("\n"):
+        if "elementwise_inline_asm" not in line:
+            continue
+        for name in set(re.findall(r"tensor<\d+x\d+x32x\w+, (#\w+)>", line)):
+            if "threadsPerWarp = [1, 1, 32]" not in layouts[name]:
+                raise RuntimeError(f"{what}: an asm step's operands have layout {layouts[name]}")
 
 
 def _decode_step():
@@ -357,6 +398,9 @@ CASES = {
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),
     "gemv2-mma-2-pairs": lambda: _gemv("gemv2", 64, 256, mma=True),
     "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
+    "group-gemm1": lambda: _group("gemm1", 32, 128),  # pick_config's at <= 2 rows per expert (32 experts)
+    "group-gemm2": lambda: _group("gemm2", 64, 128),
+    "group-gemm1-k256": lambda: _group("gemm1", 32, 256),
 }
 
 

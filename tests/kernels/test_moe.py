@@ -23,6 +23,7 @@ from gptoss_cli.kernels.moe import (
     route_ref,
     router_logits,
 )
+from gptoss_cli.kernels.moe_config import regime_config
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from gptoss_cli.kernels.moe_gemv_mma import mma_plan
 from gptoss_cli.kernels.moe_matmul import (
@@ -679,8 +680,15 @@ def test_pick_config_decode_tile_changes():
         return c.block_m, (c.block_k, c.maxnreg), (c.gemm2_block_k, c.gemm2_maxnreg)
 
     short, long = (64, 128), (128, 0)
-    for tokens in (2, 8, 16, 32, 64, 96):
+    for tokens in (32, 64, 96):
         assert tiles(tokens, 32) == (16, short, short), tokens
+    # Up to 2 rows per expert (32 experts) the grouped tensor-core kernels, else the tiles above.
+    assert [pick_config(t, 32, 4).group_mma for t in (2, 8, 16, 17, 64)] == [True, True, True, False, False]
+    assert not any(pick_config(t, 128, 4).group_mma for t in (2, 16, 64))
+    for tokens in (2, 8, 16):
+        tiles_only = regime_config("decode", tokens, 32, 4, group=False)
+        assert not tiles_only.group_mma and (tiles_only.block_k, tiles_only.maxnreg, tiles_only.num_warps) == (64, 128, 2)
+        assert tiles_only.split_k == (2 if tokens <= 8 else 1)
     assert tiles(48, 32) == (16, short, long)
     # gemm2 split along K at 8-15 rows per expert (32 experts) and only there.
     assert [pick_config(t, 32, 4).split_k for t in (32, 48, 64, 96, 120, 128)] == [1, 1, 2, 2, 2, 1]
@@ -767,13 +775,16 @@ def test_real_shapes_bf16_prefill_tiles_128_experts(variant):
 @pytest.mark.parametrize("tokens", [1, 8, 64, 4096])
 def test_real_shapes_row_groups_agree(tokens, row_group):
     # Same kernels and arithmetic on both layouts (MoeWeights.row_group): bit for bit on the GPU too.
+    # The tensor-core kernels (gemv_mma, group_mma) read 16-row groups only, so they are off here.
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
     rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
-    want = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=1), top_k)
-    assert torch.equal(moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k), want)
+    config = dataclasses.replace(pick_config(tokens, experts, top_k), gemv_mma=False, group_mma=False)
+    want = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=1), top_k, config=config)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k, config=config)
+    assert torch.equal(got, want)
 
 
 def _check_real_shapes_bf16(tokens: int, variant: dict, experts: int = 32) -> None:
@@ -1006,3 +1017,87 @@ def test_gemv_mma_redoes_overflowing_rows_in_fp32():
     got = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, GEMV_MMA)
     assert torch.isfinite(got).all()
     assert_close(got.float(), want.float(), _tol(dtype, device), "gemv1 with an fp16 overflow")
+
+
+# Decode tiles on the tensor cores (moe_group_mma.py): 16-row routing tiles, one group of 8 token
+# columns per mma B operand up to 8 rows, two from 9 to 16. GROUP: 2 pairs of weight tiles per gemm1
+# program x 2 K splits of 4 block columns; gemm2 64 columns, the same. Neighbours: one step ahead,
+# 2 block columns per asm step, one pair x 4 splits.
+GROUP = dataclasses.replace(DECODE, block_n1=32, block_n2=64, block_k=256, num_warps=4, asm_dequant=True,
+                            group_mma=True, group_ahead=2)
+GROUP_VARIANTS = [GROUP, dataclasses.replace(GROUP, group_ahead=1), dataclasses.replace(GROUP, block_k=128),
+                  dataclasses.replace(GROUP, block_n1=16, block_n2=32)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("config", GROUP_VARIANTS, ids=["default", "ahead-1", "k128", "n16"])
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [(64, 32, 2880, 2880, 4), (64, 128, 2880, 2880, 4),
+                                                               (13, 8, 608, 288, 2), (40, 4, 1024, 512, 4)])
+def test_group_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
+    # 20b and 120b at batch 64 (~8 and ~2 rows per expert: both group bodies); 608 = 19 blocks and
+    # 288 = 9, so K steps of 4 or 8 blocks end with a step moved back over blocks already counted,
+    # and 608 rows = 19 pairs of weight tiles: gemm2's last 2-pair program holds a pair past the
+    # end; 40 rows per expert: full 16-row tiles and a part-full last one.
+    from gptoss_cli.kernels.moe_group_mma import (
+        group_fits,
+        moe_group_gemm1_swiglu,
+        moe_group_gemm2,
+    )
+
+    device, dtype = "cuda", torch.bfloat16
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, device), row_group=16)
+    assert group_fits(config, dtype, w)
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    limit, alpha = 7.0, 1.702
+    want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)
+    act = moe_group_gemm1_swiglu(x, r, w, limit, alpha, config)
+    assert_close(act.float(), want_act.float(), _tol(dtype, device), "group gemm1+swiglu")
+    y = moe_group_gemm2(want_act, r, w, config)
+    assert_close(y, moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "group gemm2")
+
+
+@requires_gpu
+def test_group_mma_forward_matches_moe_ref():
+    # moe_forward picks the grouped kernels for a group_mma config (and the tiles' sorted routing).
+    device, dtype = "cuda", torch.bfloat16
+    raw = _raw_weights(32, 2880, 2880, device)
+    x, rw, rb = _inputs(48, 32, 2880, 4, dtype, device)
+    want = moe_ref(x, rw, rb, *raw, 4)
+    got = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=16), 4, config=GROUP)
+    assert rel_err(got, want) < 1e-2
+    assert_close(got.float(), want.float(), 3e-2, "moe_forward (group mma)")
+
+
+@requires_gpu
+def test_group_mma_redoes_overflowing_columns_in_fp32():
+    # An activation past fp16's range (65504) makes each program that reads it redo its rows in fp32.
+    from gptoss_cli.kernels.moe_group_mma import moe_group_gemm1_swiglu
+
+    device, dtype = "cuda", torch.bfloat16
+    w = prepare_moe_weights(*_raw_weights(4, 1024, 512, device), row_group=16)
+    x = torch.randn(12, 1024, device=device).to(dtype)
+    x[5, 77] = 1e5
+    r = route(torch.randn(12, 4, device=device), 4, GROUP.block_m)
+    want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)
+    got = moe_group_gemm1_swiglu(x, r, w, 7.0, 1.702, GROUP)
+    assert torch.isfinite(got).all()
+    assert_close(got.float(), want.float(), _tol(dtype, device), "group gemm1 with an fp16 overflow")
+
+
+def test_group_plan_falls_back_to_the_tiles(monkeypatch):
+    # Where the grouped kernels cannot run, moe_forward takes the tiles: no asm path (the
+    # interpreter), other tile heights, split-K, weights not in 16-row groups.
+    from gptoss_cli.kernels import moe_group_mma
+
+    w = prepare_moe_weights(*_raw_weights(4, 1024, 512, "cpu"), row_group=16)
+    monkeypatch.setattr(moe_group_mma, "_dot_scaled_format", lambda config, dtype: "asm")
+    assert moe_group_mma.group_fits(GROUP, torch.bfloat16, w)
+    assert moe_group_mma.group_plan(GROUP, torch.bfloat16, 16, 1024, 1024, 64, 256) == (2, 2)
+    assert moe_group_mma.group_plan(GROUP, torch.bfloat16, 16, 1024, 256, 64, 256) == (2, 1)  # K is one step
+    for off in ({"group_mma": False}, {"block_m": 32}, {"split_k": 2}):
+        assert not moe_group_mma.group_fits(dataclasses.replace(GROUP, **off), torch.bfloat16, w)
+    ungrouped = prepare_moe_weights(*_raw_weights(4, 1024, 512, "cpu"), row_group=1)
+    assert not moe_group_mma.group_fits(GROUP, torch.bfloat16, ungrouped)
+    monkeypatch.undo()
+    assert moe_group_mma.group_fits(GROUP, torch.bfloat16, w) == (not moe_matmul.is_interpreted())

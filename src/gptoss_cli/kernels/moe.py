@@ -23,8 +23,9 @@ import torch
 from torch.profiler import record_function
 
 from . import moe_router
-from .moe_config import MoeConfig, pick_config
+from .moe_config import MoeConfig, pick_config, regime_config
 from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
+from .moe_group_mma import group_fits, moe_group_gemm1_swiglu, moe_group_gemm2
 from .moe_matmul import (
     MoeWeights,
     moe_combine,
@@ -214,6 +215,15 @@ def moe_block(
         return moe_combine_norm(y, top_k, norm.residual_out, next_norm_weight, eps, splits=cfg.split_k)
 
 
+def _runnable(cfg: MoeConfig, dtype: torch.dtype, w: MoeWeights, num_tokens: int, top_k: int) -> MoeConfig:
+    """cfg, or where it asks for the grouped kernels (group_mma) and they cannot run here (no asm
+    path: the interpreter, activations not bf16; weights not in 16-row groups), the decode tiles
+    pick_config would choose without them."""
+    if cfg.group_mma and not group_fits(cfg, dtype, w):
+        return regime_config("decode", num_tokens, w.num_experts, top_k, w.has_frag_scales, group=False)
+    return cfg
+
+
 def _router_fused(cfg: MoeConfig, num_tokens: int) -> bool:
     return cfg.fused_router and num_tokens <= moe_router.MAX_TOKENS
 
@@ -230,7 +240,8 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
     x = x.contiguous()
     num_tokens, dt = x.shape[0], x.dtype
-    cfg = config or pick_config(num_tokens, w.num_experts, top_k, w.has_frag_scales)
+    cfg = _runnable(config or pick_config(num_tokens, w.num_experts, top_k, w.has_frag_scales), dt, w, num_tokens,
+                    top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt, slot_dtype(cfg, dt)) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):
@@ -247,12 +258,14 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             logits = router_logits(x, router_weight, router_bias)
         with record_function("moe.route"):
             routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
-    gemm2 = moe_gemv2 if cfg.gemv else moe_gemm2
+    group = cfg.group_mma and not cfg.gemv
+    gemm1 = moe_group_gemm1_swiglu if group else moe_gemm1_swiglu
+    gemm2 = moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2
     with record_function("moe.w1+swiglu"):
         if cfg.gemv:
             act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits)
         else:
-            act = moe_gemm1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1])
+            act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
         y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)

@@ -59,6 +59,15 @@ class MoeConfig:
     # gemv_mma: K steps whose loads are in flight while a step's mmas run (1 or 2; 1 where K is one
     # step long).
     gemv_ahead: int = 1
+    # Decode tiles of 16 rows (block_m 16, no split-K) on the tensor cores fed from the packed
+    # words (moe_group_mma.py; GPU, bf16 activations, weights with row_group 16, shapes as
+    # gemv_mma's): B's 8 columns are 8 of an expert's rows, a second group of 8 shares each unpacked
+    # weight fragment. block_n1 / block_n2 / block_k / num_warps then describe its programs as they
+    # do the gemv's; the tiles run where the shapes do not fit.
+    group_mma: bool = False
+    # group_mma: K steps whose loads are in flight while a step's mmas run (gemv_ahead's twin; a
+    # field of its own so that the two are tuned apart).
+    group_ahead: int = 2
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
@@ -134,8 +143,9 @@ class MoeConfig:
         if self.block_k2 and (self.block_k2 < VALUES_PER_BLOCK or self.block_k2 & (self.block_k2 - 1)):
             raise ValueError(f"MoeConfig.block_k2 must be 0 or a power of two >= {VALUES_PER_BLOCK}, "
                              f"got {self.block_k2}")
-        if self.gemv_ahead not in (1, 2):
-            raise ValueError(f"MoeConfig.gemv_ahead must be 1 or 2, got {self.gemv_ahead}")
+        if self.gemv_ahead not in (1, 2) or self.group_ahead not in (1, 2):
+            raise ValueError(f"MoeConfig.gemv_ahead and group_ahead must be 1 or 2, got {self.gemv_ahead}, "
+                             f"{self.group_ahead}")
         if self.split_k < 1:
             raise ValueError(f"MoeConfig.split_k must be >= 1, got {self.split_k}")
         if self.swap_ab and self.use_dot_scaled:
@@ -208,7 +218,7 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
                          num_experts, top_k, frag_scales)
 
 
-def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
+def _decode_tile_changes(per_expert: float, num_experts: int, group: bool = True) -> dict:
     """Where the decode tiles depart from 16 rows, K step 64 and a cap of 128 registers, measured in
     the engine (H200, profile_decode, session 14; the kernel-level wins of bench_moe's earlier,
     bias-skewed routing did not all carry over, docs/optimizations.md). 32 experts only: 120b's
@@ -223,9 +233,16 @@ def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
     - 8 to 15 rows per expert: gemm2 split in two along K. Its 736 programs (32 experts x 23 column
       tiles) are 0.62 of a wave; 1,472 fill more of the SMs. bench_moe, 20b T=64: gemm2 73.0 -> 57.6
       us (session 19); engine, batch 64: 10,153 -> 10,442 tok/s (session 20). At 2-4 rows per expert
-      the combine's second slab cost more than it saved (T=16/32 moe_forward +1.7 %)."""
+      the combine's second slab cost more than it saved (T=16/32 moe_forward +1.7 %).
+    - <= 2 rows per expert: the grouped tensor-core kernels (group_mma, moe_group_mma.py; 64 weight
+      rows per program on 4 warps, K step 128, no split-K). bench_moe, 20b per layer (session 24):
+      moe_forward T=4 100.3 -> 87.7 us, T=8 152.2 -> 141.9, T=16 177.5 -> 164.6; engine, batch 16:
+      3,001 -> 3,115 tok/s. At 4 rows per expert they lost (T=32 180.8 -> 210.3), at 8 too (T=64
+      184 -> 237), and at 128 experts they did not win (120b T=4 103 -> 114, T=8-32 even)."""
     if num_experts > 32:
         return {}
+    if per_expert <= 2 and group:
+        return {"group_mma": True, "block_n1": 32, "block_n2": 64, "block_k": 128, "num_warps": 4, "split_k": 1}
     if per_expert >= 16:
         return {"block_m": 32, "maxnreg": 0}
     if 8 <= per_expert < 16:
@@ -235,9 +252,11 @@ def _decode_tile_changes(per_expert: float, num_experts: int) -> dict:
     return {}
 
 
-def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False) -> MoeConfig:
+def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, frag_scales: bool = False,
+                  group: bool = True) -> MoeConfig:
     """pick_config's tiles of `regime` ("decode" or "prefill") for a step of num_tokens > 1, whether
-    or not pick_config would take that regime there (bench_moe compares them)."""
+    or not pick_config would take that regime there (bench_moe compares them); without `group`, the
+    decode tiles where pick_config would take the grouped kernels (group_mma)."""
     per_expert = num_tokens * top_k / num_experts
     if regime == "decode":
         # 2 warps per program: a K step's scales (128 weight rows x 2 groups) are then 4 bytes per
@@ -249,10 +268,10 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         # 128 registers: 9 programs per SM, no spills (offline sm_90). At <= 1 row per expert gemm2
         # is split in two along K for more programs in flight (20b T=4: 25.8 -> 21.6 us; 120b T=8:
         # 56.7 -> 39.4).
-        tiles = {"block_m": 16, "maxnreg": 128, "split_k": 2 if per_expert <= 1 else 1} \
-            | _decode_tile_changes(per_expert, num_experts)
-        return MoeConfig("decode", block_n1=64, block_n2=128, block_k=64, num_warps=2, num_stages=3, asm_dequant=True,
-                         fused_router=num_tokens <= ROUTER_MAX_TOKENS, **tiles)
+        tiles = {"block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2, "maxnreg": 128,
+                 "split_k": 2 if per_expert <= 1 else 1} | _decode_tile_changes(per_expert, num_experts, group)
+        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=num_tokens <= ROUTER_MAX_TOKENS,
+                         **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty

@@ -139,6 +139,63 @@ def _math_asm(gb: int) -> str:
     )
 
 
+def _group_math_asm(gb: int, groups: int) -> str:
+    """The mmas of one K step for 8 * groups tokens (moe_group_mma.py): B's column r is token
+    8q + r of group q, so lane (r, t) reads that token's x[8t ..] and ends each mma with D rows r and
+    r + 8, tokens 2t and 2t + 1 (module docstring). Outputs $0 .. $(n - 1), n = 8 * groups: the
+    accumulators, index 8q + 4m + j for group q, tile m and D register j (row r + 8 (j // 2), token
+    2t + j % 2 of the group); then the same accumulators in; then _load_asm's registers; then per
+    group the address of its lane's token's x[8t] at the step's first block column (block column g:
+    + 64 g bytes); then skip, as in _math_asm. Each A fragment is unpacked once for all groups, and
+    each row's scale, D's rows r and r + 8, comes from the quad lane that loaded it (lane (r, 2m)
+    holds tile m's row r, lane (r, 2m + 1) its row r + 8)."""
+    n = 8 * groups
+    loaded0 = 2 * n
+    x0 = [f"${loaded0 + LOADED * gb + q}" for q in range(groups)]
+    skip = f"${loaded0 + LOADED * gb + groups}"
+    xs = [[[f"x{g}_{q}_{i}" for i in range(4)] for q in range(groups)] for g in range(gb)]
+    bs = [[f"b{q}_{i}" for i in range(4)] for q in range(groups)]
+    math = []
+    for g in range(gb):  # all of the step's activation loads first: their latency overlaps the unpacking
+        math.append(f"\nsetp.le.s32 p, {skip}, {g};")
+        for q in range(groups):
+            math.append("\n" + "".join(f" mov.b32 {r}, 0;" for r in xs[g][q])
+                        + f" @p ld.global.v4.b32 {{{', '.join(xs[g][q])}}}, [{x0[q]}+{64 * g}];")
+    for g in range(gb):
+        base = loaded0 + LOADED * g
+        words, scale = [f"${base + k}" for k in range(2 * TILES.value)], f"${base + 2 * TILES.value}"
+        # segment of 4 lanes (c = 0x1c1f): source lane j of the lane's own quad
+        math.append("\n" + " ".join(f"shfl.sync.idx.b32 u, {scale}, {j}, 0x1c1f, 0xffffffff; shl.b32 u, u, 23;"
+                                     f" mov.b32 s{j}, u;" for j in range(4)))
+        for q in range(groups):
+            for i in range(4):  # pair i = (x_i, x_(i + 4)), as in _math_asm
+                lo, hi = xs[g][q][i // 2], xs[g][q][i // 2 + 2]
+                if i % 2 == 0:
+                    math.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
+                else:
+                    math.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
+                math.append(f" cvt.rn.f16x2.f32 {bs[q][i]}, fh, fl;")
+        for m in range(TILES.value):
+            math.append(_high_bytes(words[2 * m]) + _pairs(("a0", "a2", "a4", "a6")))
+            math.append(_high_bytes(words[2 * m + 1]) + _pairs(("a1", "a3", "a5", "a7")))
+            for q in range(groups):
+                b = bs[q]
+                math.append(
+                    "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3},"
+                    f" {{{b[0]}, {b[1]}}}, {{z, z, z, z}};"
+                    "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7},"
+                    f" {{{b[2]}, {b[3]}}}, {{d0, d1, d2, d3}};\n")
+                for j in range(4):
+                    out = 8 * q + 4 * m + j
+                    acc = f"${out}" if g else f"${n + out}"
+                    math.append(f" fma.rn.f32 ${out}, d{j}, s{2 * m + j // 2}, {acc};")
+    regs = [r for g in xs for q in g for r in q] + [r for b in bs for r in b]
+    return (
+        "{\n.reg .pred p;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7, " + ", ".join(regs) + ";"
+        "\n.reg .f32 d0, d1, d2, d3, z, fl, fh, s0, s1, s2, s3;\nmov.f32 z, 0f00000000;" + "".join(math) + "\n}"
+    )
+
+
 def _asm_constants(gb: int) -> tuple:
     """(load text, its constraints, its result types, math text, its constraints) for gb columns."""
     loads = LOADED * gb
@@ -150,6 +207,22 @@ def _asm_constants(gb: int) -> tuple:
 _LOAD_1, _LOAD_CONS_1, _LOAD_TYPES_1, _MATH_1, _MATH_CONS_1 = _asm_constants(1)
 _LOAD_2, _LOAD_CONS_2, _LOAD_TYPES_2, _MATH_2, _MATH_CONS_2 = _asm_constants(2)
 _LOAD_4, _LOAD_CONS_4, _LOAD_TYPES_4, _MATH_4, _MATH_CONS_4 = _asm_constants(4)
+
+
+def _group_asm_constants(gb: int, groups: int) -> tuple:
+    """(math text, its constraints, its result types) of _group_math_asm(gb, groups)."""
+    n = 8 * groups
+    return (tl.constexpr(_group_math_asm(gb, groups)),
+            tl.constexpr("=f," * n + "f," * n + "r," * (LOADED * gb) + "l," * groups + "r"),
+            tl.constexpr((tl.float32,) * n))
+
+
+_GROUP_1_1, _GROUP_CONS_1_1, _GROUP_TYPES_1_1 = _group_asm_constants(1, 1)
+_GROUP_2_1, _GROUP_CONS_2_1, _GROUP_TYPES_2_1 = _group_asm_constants(2, 1)
+_GROUP_4_1, _GROUP_CONS_4_1, _GROUP_TYPES_4_1 = _group_asm_constants(4, 1)
+_GROUP_1_2, _GROUP_CONS_1_2, _GROUP_TYPES_1_2 = _group_asm_constants(1, 2)
+_GROUP_2_2, _GROUP_CONS_2_2, _GROUP_TYPES_2_2 = _group_asm_constants(2, 2)
+_GROUP_4_2, _GROUP_CONS_4_2, _GROUP_TYPES_4_2 = _group_asm_constants(4, 2)
 
 
 @triton.jit
@@ -182,56 +255,172 @@ def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t):
 
 
 @triton.jit
-def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
-              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr):
-    """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
-    garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
-    Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): each K step covers KS * GB
-    block columns, GB per asm instance; the loads run AHEAD (1 or 2; at most K's steps) K steps
-    before their mmas.
-    All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
-    off the last dimension."""
-    P: tl.constexpr = T // TILES
+def _group_math_step(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip):
+    """_group_math_asm(GB, GROUPS) at block column kb: the tuple of 8 * GROUPS accumulators after
+    one K step; x_ptrs holds each group's lane x pointers at block column 0. Not pure (_math_step)."""
+    if GROUPS == 1:
+        xs = ((x_ptrs[0] + kb * 32).to(tl.int64),)
+    else:
+        tl.static_assert(GROUPS == 2, "the grouped mma takes 1 or 2 groups of 8 tokens")
+        xs = ((x_ptrs[0] + kb * 32).to(tl.int64), (x_ptrs[1] + kb * 32).to(tl.int64))
+    args = acc + loaded + xs + (skip,)
+    if GROUPS == 1:
+        if GB == 1:
+            out = tl.inline_asm_elementwise(_GROUP_1_1, _GROUP_CONS_1_1, args, dtype=_GROUP_TYPES_1_1,
+                                            is_pure=False, pack=1)
+        elif GB == 2:
+            out = tl.inline_asm_elementwise(_GROUP_2_1, _GROUP_CONS_2_1, args, dtype=_GROUP_TYPES_2_1,
+                                            is_pure=False, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_GROUP_4_1, _GROUP_CONS_4_1, args, dtype=_GROUP_TYPES_4_1,
+                                            is_pure=False, pack=1)
+    else:
+        if GB == 1:
+            out = tl.inline_asm_elementwise(_GROUP_1_2, _GROUP_CONS_1_2, args, dtype=_GROUP_TYPES_1_2,
+                                            is_pure=False, pack=1)
+        elif GB == 2:
+            out = tl.inline_asm_elementwise(_GROUP_2_2, _GROUP_CONS_2_2, args, dtype=_GROUP_TYPES_2_2,
+                                            is_pure=False, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_GROUP_4_2, _GROUP_CONS_4_2, args, dtype=_GROUP_TYPES_4_2,
+                                            is_pure=False, pack=1)
+    return out
+
+
+@triton.jit
+def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t):
+    """One K step's mmas at block column kb: the batch-1 step (GROUPS 0: one accumulator, one x
+    pointer tensor) or the grouped one (tuples)."""
+    if GROUPS == 0:
+        out = _math_step(GB, acc, loaded, (x_ptrs + kb * 32).to(tl.int64), skip, lane_t)
+    else:
+        out = _group_math_step(GB, GROUPS, acc, loaded, x_ptrs, kb, skip)
+    return out
+
+
+@triton.jit
+def _lanes(w_base, s_base, first_tile, n_tiles, stride_wn, stride_sg, P: tl.constexpr, GB: tl.constexpr,
+           KS: tl.constexpr):
+    """The asm's per-lane operands on [KS, P, 32] (K split, pair of tiles, lane): the first word's and
+    the scale byte's addresses at block column 0, the tile and block-column strides, lane % 4, this
+    split's first block column within a step, and a zero that broadcasts scalars."""
     lane = tl.arange(0, 32)[None, None, :]
     split = tl.arange(0, KS)[:, None, None]
     # Clamped: the asm reads every tile it is given; rows of tiles past the end are masked later.
     tile = tl.minimum(first_tile + tl.arange(0, P)[None, :, None] * TILES, n_tiles - TILES)
-    n_blocks = K // 32
-    own = split * GB  # this split's first block column within a step
-    full = split * 0 + tile * 0 + lane * 0  # broadcasts scalars to the asm's [KS, P, 32] operands
+    own = split * GB
+    full = split * 0 + tile * 0 + lane * 0
     lane_t = lane % 4 + full
     # Lane l's word of row r at block column 0 is word l of the tile's first 256 bytes (row + 8: + 128 bytes).
     w_ptrs = w_base + tile.to(tl.int64) * stride_wn + lane * 4 + own * 256
     s_ptrs = s_base + tile * 16 + lane // 4 + lane_t * 8 + own * stride_sg  # row r + 8t of the pair
-    x_ptrs = x_row + lane_t * 8 + own * 32  # every B column holds the token
-    w_tile = (stride_wn + full).to(tl.int64)
-    s_block = stride_sg + full
-    no_skip = full - own
-    acc = tl.zeros((KS, P, 32), dtype=tl.float32)
+    return w_ptrs, s_ptrs, (stride_wn + full).to(tl.int64), stride_sg + full, lane_t, own, full
+
+
+@triton.jit
+def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, lane_t, n_blocks,
+            GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, GROUPS: tl.constexpr):
+    """acc after the whole K loop (_math_at's accumulators). Each K step covers KS * GB block
+    columns; the loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas.
+    Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run."""
     per_step = KS * GB
     last = n_blocks - per_step  # the last step is moved back to end at K
     final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
-    # Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
     loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last)
     if AHEAD == 2:
         second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_step(GB, acc, loaded, (x_ptrs + (kb - 2 * per_step) * 32).to(tl.int64), no_skip, lane_t)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t)
             loaded = second
             second = ahead
-        acc = _math_step(GB, acc, loaded, (x_ptrs + (final - per_step) * 32).to(tl.int64), no_skip, lane_t)
+        acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t)
         loaded = second
     else:
         for kb in range(per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_step(GB, acc, loaded, (x_ptrs + (kb - per_step) * 32).to(tl.int64), no_skip, lane_t)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t)
             loaded = ahead
     # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
     moved = tl.minimum(final, last)
-    acc = _math_step(GB, acc, loaded, (x_ptrs + moved * 32).to(tl.int64), (final - moved) + no_skip, lane_t)
+    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, (final - moved) + no_skip, lane_t)
+
+
+@triton.jit
+def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
+              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr):
+    """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
+    garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
+    Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): _k_loop's steps.
+    All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
+    off the last dimension."""
+    P: tl.constexpr = T // TILES
+    w_ptrs, s_ptrs, w_tile, s_block, lane_t, own, full = _lanes(w_base, s_base, first_tile, n_tiles, stride_wn,
+                                                                stride_sg, P, GB, KS)
+    x_ptrs = x_row + lane_t * 8 + own * 32  # every B column holds the token
+    acc = _k_loop(tl.zeros((KS, P, 32), dtype=tl.float32), x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg,
+                  full - own, lane_t, K // 32, GB, KS, AHEAD, 0)
     rows = tl.reshape(tl.sum(acc, axis=0), (P, 8, 4))  # lane (r, t): row r + 8t of pair p
     return tl.reshape(tl.permute(rows, (0, 2, 1)), (T * 16,)) * FP16_SHIFT
+
+
+@triton.jit
+def _group_rows(x_ptr, stride_xt, slots_ptr, start, count, w_base, s_base, first_tile, n_tiles, K, stride_wn,
+                stride_sg, T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr,
+                GROUPS: tl.constexpr, TOP_K: tl.constexpr, GATHER: tl.constexpr):
+    """[T * 16, 8 * GROUPS] fp32 = W[16 first_tile .. + 16 T, :K] @ X^T for the `count` sorted rows
+    from `start` (columns past count and tiles past n_tiles: garbage, to be masked by the caller);
+    NaN/inf where an activation overflowed fp16. X's row of sorted row i is x's row i, or with
+    GATHER its token, slots_ptr[i] // TOP_K. B's column r of group q is sorted row start + 8q + r,
+    clamped to the last one."""
+    P: tl.constexpr = T // TILES
+    w_ptrs, s_ptrs, w_tile, s_block, lane_t, own, full = _lanes(w_base, s_base, first_tile, n_tiles, stride_wn,
+                                                                stride_sg, P, GB, KS)
+    r = tl.arange(0, 32)[None, None, :] // 4 + full
+    x_ptrs = (_x_lanes(x_ptr, stride_xt, slots_ptr, start + tl.minimum(r, count - 1), TOP_K, GATHER)
+              + lane_t * 8 + own * 32,)
+    zero = tl.zeros((KS, P, 32), dtype=tl.float32)
+    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    if GROUPS == 2:
+        x_ptrs = x_ptrs + (_x_lanes(x_ptr, stride_xt, slots_ptr, start + tl.minimum(r + 8, count - 1), TOP_K,
+                                    GATHER) + lane_t * 8 + own * 32,)
+        acc = acc + acc
+    acc = _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, full - own, lane_t, K // 32, GB, KS,
+                  AHEAD, GROUPS)
+    if GROUPS == 1:
+        out = _group_cols(acc, 0, P)
+    else:  # [rows, 8, group] -> token 8q + r
+        both = tl.join(_group_cols(acc, 0, P), _group_cols(acc, 1, P))
+        out = tl.reshape(tl.permute(both, (0, 2, 1)), (T * 16, 16))
+    return out * FP16_SHIFT
+
+
+@triton.jit
+def _x_lanes(x_ptr, stride_xt, slots_ptr, rows, TOP_K: tl.constexpr, GATHER: tl.constexpr):
+    """x's row of each lane's sorted row: itself, or with GATHER its slot's token. The slot is read
+    by inline asm: a tl.load here would anchor the layout of every [KS, P, 32] operand of the
+    asm steps and move the lanes off the last dimension (offline sm_90 TTGIR, session 24)."""
+    if GATHER:
+        slots = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [(slots_ptr + rows).to(tl.int64)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        rows = slots // TOP_K
+    return x_ptr + rows.to(tl.int64) * stride_xt
+
+
+@triton.jit
+def _d_columns(a, b, P: tl.constexpr):
+    """Two D registers of tokens 2t and 2t + 1 ([KS, P, 32], summed over K splits) -> [P, 8 r, 8 tokens]."""
+    return tl.reshape(tl.join(tl.sum(a, axis=0), tl.sum(b, axis=0)), (P, 8, 8))
+
+
+@triton.jit
+def _group_cols(acc, Q: tl.constexpr, P: tl.constexpr):
+    """Group Q's accumulators (_group_math_asm's order) -> [P * 32 rows, 8 tokens]: row 32p + 16m +
+    8h + r of D register 2h + c of tile m, token 2t + c."""
+    b: tl.constexpr = 8 * Q
+    t0 = tl.join(_d_columns(acc[b], acc[b + 1], P), _d_columns(acc[b + 2], acc[b + 3], P))  # [P, r, tok, h]
+    t1 = tl.join(_d_columns(acc[b + 4], acc[b + 5], P), _d_columns(acc[b + 6], acc[b + 7], P))
+    return tl.reshape(tl.permute(tl.join(t0, t1), (0, 4, 3, 1, 2)), (P * 32, 8))
 
 
 @triton.jit
