@@ -254,7 +254,8 @@ VARIANTS_BY_TOKENS = {
 
 
 # Either regime's tiles (kernels.moe_config.regime_config) where pick_config takes the other one,
-# e.g. the decode tiles past DECODE_MAX_ROWS_PER_EXPERT rows per expert.
+# e.g. the decode tiles past DECODE_MAX_ROWS_PER_EXPERT rows per expert, or where it takes the
+# grouped tensor-core kernels (MoeConfig.group_mma).
 REGIME_VARIANTS = {"decode-tiles": "decode", "prefill-tiles": "prefill"}
 
 
@@ -264,7 +265,8 @@ def _variant_config(case: Case, variant: str | dict):
     from gptoss_cli.kernels.moe_config import pick_config, regime_config
 
     if isinstance(variant, str) and variant in REGIME_VARIANTS:
-        return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k, frag_scales=True)
+        return regime_config(REGIME_VARIANTS[variant], case.tokens, case.experts, case.top_k, frag_scales=True,
+                             group=False)
     base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
     return dataclasses.replace(base, **(VARIANTS[variant] if isinstance(variant, str) else variant))
 

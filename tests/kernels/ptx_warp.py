@@ -244,7 +244,7 @@ def run(asm: str, mem: np.ndarray, operands: dict, lanes: int = LANES) -> dict:
 
 
 def constraint_bits(constraints: str) -> list[tuple[int, bool]]:
-    """(width, is_input) of $0, $1, ... from a constraint string of _asm_constants, so the emulator
+    """(width, is_input) of $0, $1, ... from a constraint string of moe_gemv_mma.asm_step, so the emulator
     checks the asm against the operand types the kernel really binds."""
     return [(CONSTRAINT_BITS[c.lstrip("=")], not c.startswith("=")) for c in constraints.split(",")]
 

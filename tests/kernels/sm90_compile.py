@@ -260,7 +260,7 @@ def _lanes_last(kernel, what: str) -> None:
     its last dimension: a tl.load of that shape anchored another layout once (session 24), and
     the asm then ran on the wrong lanes."""
     ir = kernel.asm["ttgir"]
-    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.MULTILINE))
     for line in ir.split("\n"):
         if "elementwise_inline_asm" not in line:
             continue

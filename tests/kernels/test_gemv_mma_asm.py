@@ -9,15 +9,25 @@ the ISA's description, not from the asm). The tests lay out two 16-row tiles of 
 their scales and a bf16 activation vector as moe_gemv_mma's docstring says, run the load asm, hand
 its registers to the math asm as _mma_rows does (`(acc,) + loaded + (x, skip, t)`), and compare the load registers
 with the layout and each lane's accumulated row with a float64 reference; the emulator checks
-operand widths against the constraint strings of _asm_constants.
+operand widths against the constraint strings of asm_step.
 """
 
 import numpy as np
 import pytest
-from gptoss_cli.kernels.moe_gemv_mma import LOADED, _asm_constants, _high_bytes, _pairs
-from gptoss_cli.kernels.mxfp4 import FP4_VALUES
+from ptx_warp import (
+    LANES,
+    MASK,
+    bind,
+    f16_bits,
+    f32,
+    f32_bits,
+    load_operands,
+    packed_layout,
+    run,
+)
 
-from ptx_warp import LANES, MASK, bind, f16_bits, f32, f32_bits, load_operands, packed_layout, run
+from gptoss_cli.kernels.moe_gemv_mma import LOADED, _high_bytes, _pairs, asm_step
+from gptoss_cli.kernels.mxfp4 import FP4_VALUES
 
 FP16_SHIFT = 2.0**-14  # the asm's fp16 pairs hold FP4 values times 2**-14
 
@@ -44,8 +54,9 @@ def _expected(lay: dict, skip: int) -> tuple[np.ndarray, np.ndarray]:
 def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None):
     """One K step on the emulator: the load asm's outputs, then the math asm's outputs when fed
     acc_in (one float32 per lane), those registers, x[8t]'s address, `skip` and t as _mma_rows
-    does. The texts default to _asm_constants(gb)'s (a test may pass altered ones)."""
-    load_text, load_cons, load_types, math_text, math_cons = (c.value for c in _asm_constants(gb))
+    does. The texts default to asm_step's (a test may pass altered ones)."""
+    load_text, load_cons, load_types = asm_step("load", gb)
+    math_text, math_cons, _ = asm_step("math", gb)
     n_out = LOADED * gb
     assert len(load_types) == n_out == load_cons.count("=r"), "load results and constraints disagree"
     loaded = run(load_asm or load_text, lay["mem"], bind(load_cons, load_operands(lay, n_out)))

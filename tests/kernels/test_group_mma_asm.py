@@ -12,12 +12,7 @@ import numpy as np
 import pytest
 from ptx_warp import LANES, MASK, bind, f32, f32_bits, load_operands, packed_layout, run
 
-from gptoss_cli.kernels.moe_gemv_mma import (
-    LOADED,
-    _asm_constants,
-    _group_asm_constants,
-    _group_math_asm,
-)
+from gptoss_cli.kernels.moe_gemv_mma import LOADED, _group_math_asm, asm_step
 from gptoss_cli.kernels.mxfp4 import FP4_VALUES
 
 FP16_SHIFT = 2.0**-14  # the asm's fp16 pairs hold FP4 values times 2**-14
@@ -26,8 +21,8 @@ FP16_SHIFT = 2.0**-14  # the asm's fp16 pairs hold FP4 values times 2**-14
 def _step(gb: int, groups: int, lay: dict, columns: np.ndarray, acc_in: np.ndarray, skip: int, math_asm=None):
     """One K step on the emulator: columns [8 * groups] = the x row of each B column, acc_in
     [8 * groups, lanes] fp32. Returns the math asm's registers."""
-    load_text, load_cons, _, _, _ = (c.value for c in _asm_constants(gb))
-    math_text, math_cons, math_types = (c.value for c in _group_asm_constants(gb, groups))
+    load_text, load_cons, _ = asm_step("load", gb)
+    math_text, math_cons, math_types = asm_step("group", gb, groups)
     n_loaded, n = LOADED * gb, 8 * groups
     assert len(math_types) == n == math_cons.count("=f"), "accumulators and constraints disagree"
     loaded = run(load_text, lay["mem"], bind(load_cons, load_operands(lay, n_loaded)))

@@ -1005,20 +1005,6 @@ def test_mma_plan_runs_one_step_ahead_where_k_is_one_step():
     assert mma_plan(16, 64, 256, 64, 128, 4, 1) == (2, 1)
 
 
-@requires_gpu
-def test_gemv_mma_redoes_overflowing_rows_in_fp32():
-    # An activation past fp16's range (65504) makes the program fall back to the fp32 loop.
-    device, dtype = "cuda", torch.bfloat16
-    w = prepare_moe_weights(*_raw_weights(4, 1024, 512, device), row_group=16)
-    x = torch.randn(1, 1024, device=device).to(dtype)
-    x[0, 77] = 1e5
-    r = route(torch.randn(1, 4, device=device), 4, GEMV_MMA.block_m)
-    want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)[r.slot_rows.long()]
-    got = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, GEMV_MMA)
-    assert torch.isfinite(got).all()
-    assert_close(got.float(), want.float(), _tol(dtype, device), "gemv1 with an fp16 overflow")
-
-
 # Decode tiles on the tensor cores (moe_group_mma.py): 16-row routing tiles, one group of 8 token
 # columns per mma B operand up to 8 rows, two from 9 to 16. GROUP: 2 pairs of weight tiles per gemm1
 # program x 2 K splits of 4 block columns; gemm2 64 columns, the same. Neighbours: one step ahead,
@@ -1070,19 +1056,25 @@ def test_group_mma_forward_matches_moe_ref():
 
 
 @requires_gpu
-def test_group_mma_redoes_overflowing_columns_in_fp32():
-    # An activation past fp16's range (65504) makes each program that reads it redo its rows in fp32.
+@pytest.mark.parametrize("grouped", [False, True], ids=["gemv", "group"])
+def test_mma_redoes_overflowing_rows_in_fp32(grouped):
+    # An activation past fp16's range (65504) makes each program that reads it redo its rows in
+    # fp32: the batch-1 gemv (slot order) and the grouped decode kernels (sorted rows).
     from gptoss_cli.kernels.moe_group_mma import moe_group_gemm1_swiglu
 
     device, dtype = "cuda", torch.bfloat16
+    tokens, config = (12, GROUP) if grouped else (1, GEMV_MMA)
     w = prepare_moe_weights(*_raw_weights(4, 1024, 512, device), row_group=16)
-    x = torch.randn(12, 1024, device=device).to(dtype)
-    x[5, 77] = 1e5
-    r = route(torch.randn(12, 4, device=device), 4, GROUP.block_m)
+    x = torch.randn(tokens, 1024, device=device).to(dtype)
+    x[tokens // 2, 77] = 1e5
+    r = route(torch.randn(tokens, 4, device=device), 4, config.block_m)
     want = moe_gemm1_swiglu_ref(x, r, w, 7.0, 1.702)
-    got = moe_group_gemm1_swiglu(x, r, w, 7.0, 1.702, GROUP)
+    if grouped:
+        got = moe_group_gemm1_swiglu(x, r, w, 7.0, 1.702, config)
+    else:
+        got, want = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config), want[r.slot_rows.long()]
     assert torch.isfinite(got).all()
-    assert_close(got.float(), want.float(), _tol(dtype, device), "group gemm1 with an fp16 overflow")
+    assert_close(got.float(), want.float(), _tol(dtype, device), "gemm1 with an fp16 overflow")
 
 
 def test_group_plan_falls_back_to_the_tiles(monkeypatch):

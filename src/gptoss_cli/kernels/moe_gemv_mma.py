@@ -1,7 +1,11 @@
-"""Batch-1 MoE matrix-vector kernels on the tensor cores: mma.sync fed straight from the packed bytes.
+"""MoE K loops on the tensor cores: mma.sync fed straight from the packed bytes.
 
-_mma_rows is the K loop of moe_gemv.py's kernels when MoeConfig.gemv_mma is set (GPU, bf16
-activations, MoeWeights.row_group 16); the kernels, their epilogues and the fp32 fallback are there.
+_mma_rows is the K loop of moe_gemv.py's batch-1 kernels when MoeConfig.gemv_mma is set, and
+_group_rows that of moe_group_mma.py's decode kernels (MoeConfig.group_mma), where B's 8 columns
+are 8 of an expert's rows instead of one token (GPU, bf16 activations, MoeWeights.row_group 16).
+The kernels, their epilogues and the fp32 fallback are in those modules; both loops are _k_loop
+over the same load step and a math step of their own. What follows describes the batch-1 form;
+_group_math_asm's docstring what the grouped one does differently.
 
 Why: the packed-fp16 gemv spends ~8 SASS instructions per weight byte (dequantise, then 16
 dependent fp16 FMAs per block), about the bandwidth floor's time in issue alone
@@ -36,8 +40,9 @@ ahead, 135 registers, were slower in the engine).
 Layout: all memory goes through the inline asm, and every tensor handed to it is
 [KS, pairs, 32] built from aranges, whose default Triton layout puts the 32 lanes on the last
 dimension: nothing in Triton can choose another (a tl.load could: the coalescing pass orders
-dimensions by contiguity, and put lanes on the tile dimension in an offline sm_90 compile). The
-warps hold the pairs of tiles, then K splits (KS): each K step is KS * GB block columns.
+dimensions by contiguity and puts lanes on the tile dimension; the grouped kernels' first token
+gather did exactly that, session 24, so it reads the slots by inline asm). The warps hold the
+pairs of tiles, then K splits (KS): each K step is KS * GB block columns.
 
 Numerics: FP4 values are exact in fp16; a bf16 activation is exact in fp16 down to 2**-14 (and to
 the nearest 2**-24 below), and overflows beyond 65504, which makes the program redo its rows in
@@ -69,6 +74,20 @@ def _pairs(regs: tuple[str, str, str, str]) -> str:
     p0, p1, p2, p3 = regs
     return (f"\nprmt.b32 {p0}, hl, 0, 0x2404; prmt.b32 {p2}, hl, 0, 0x3414;"
             f" prmt.b32 {p1}, hh, 0, 0x2404; prmt.b32 {p3}, hh, 0, 0x3414;")
+
+
+def _x_pairs(words: list[str], pairs: tuple[str, str, str, str] | list[str]) -> str:
+    """PTX: the fp16x2 B registers `pairs` from 4 words of bf16 activations (x[8t + 2j], x[8t + 2j + 1]
+    in word j): pair i = (x_i, x_(i + 4)), from words i // 2 and i // 2 + 2, x_i in the low half."""
+    out = []
+    for i in range(4):
+        lo, hi = words[i // 2], words[i // 2 + 2]
+        if i % 2 == 0:
+            out.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
+        else:
+            out.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
+        out.append(f" cvt.rn.f16x2.f32 {pairs[i]}, fh, fl;")
+    return "".join(out)
 
 
 TILES = tl.constexpr(2)  # 16-row tiles per asm instance (one pair): they share its activation pairs
@@ -114,14 +133,7 @@ def _math_asm(gb: int) -> str:
     for g in range(gb):
         base = 2 + LOADED * g
         words, scale = [f"${base + k}" for k in range(n)], f"${base + n}"
-        # x[8t + 2j .. + 1] in word j; pair i = (x_i, x_(i + 4)) from words i // 2 and i // 2 + 2.
-        for i in range(4):
-            lo, hi = xs[g][i // 2], xs[g][i // 2 + 2]
-            if i % 2 == 0:
-                math.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
-            else:
-                math.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
-            math.append(f" cvt.rn.f16x2.f32 b{i}, fh, fl;")
+        math.append(_x_pairs(xs[g], ("b0", "b1", "b2", "b3")))
         for m in range(TILES.value):
             math.append(_high_bytes(words[2 * m]) + _pairs(("a0", "a2", "a4", "a6")))
             math.append(_high_bytes(words[2 * m + 1]) + _pairs(("a1", "a3", "a5", "a7")))
@@ -167,14 +179,7 @@ def _group_math_asm(gb: int, groups: int) -> str:
         # segment of 4 lanes (c = 0x1c1f): source lane j of the lane's own quad
         math.append("\n" + " ".join(f"shfl.sync.idx.b32 u, {scale}, {j}, 0x1c1f, 0xffffffff; shl.b32 u, u, 23;"
                                      f" mov.b32 s{j}, u;" for j in range(4)))
-        for q in range(groups):
-            for i in range(4):  # pair i = (x_i, x_(i + 4)), as in _math_asm
-                lo, hi = xs[g][q][i // 2], xs[g][q][i // 2 + 2]
-                if i % 2 == 0:
-                    math.append(f"\nshl.b32 fl, {lo}, 16; shl.b32 fh, {hi}, 16;")
-                else:
-                    math.append(f"\nand.b32 fl, {lo}, 0xFFFF0000; and.b32 fh, {hi}, 0xFFFF0000;")
-                math.append(f" cvt.rn.f16x2.f32 {bs[q][i]}, fh, fl;")
+        math.extend(_x_pairs(xs[g][q], bs[q]) for q in range(groups))
         for m in range(TILES.value):
             math.append(_high_bytes(words[2 * m]) + _pairs(("a0", "a2", "a4", "a6")))
             math.append(_high_bytes(words[2 * m + 1]) + _pairs(("a1", "a3", "a5", "a7")))
@@ -196,95 +201,72 @@ def _group_math_asm(gb: int, groups: int) -> str:
     )
 
 
-def _asm_constants(gb: int) -> tuple:
-    """(load text, its constraints, its result types, math text, its constraints) for gb columns."""
+def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
+    """(text, constraints, result types) of one asm step over gb block columns: "load"
+    (_load_asm), "math" (_math_asm) or "group" (_group_math_asm over `groups` groups of 8 tokens)."""
     loads = LOADED * gb
-    return (tl.constexpr(_load_asm(gb)), tl.constexpr("=r," * loads + "l,l,l,r"),
-            tl.constexpr((tl.int32,) * loads), tl.constexpr(_math_asm(gb)),
-            tl.constexpr("=f,f" + ",r" * loads + ",l,r,r"))
-
-
-_LOAD_1, _LOAD_CONS_1, _LOAD_TYPES_1, _MATH_1, _MATH_CONS_1 = _asm_constants(1)
-_LOAD_2, _LOAD_CONS_2, _LOAD_TYPES_2, _MATH_2, _MATH_CONS_2 = _asm_constants(2)
-_LOAD_4, _LOAD_CONS_4, _LOAD_TYPES_4, _MATH_4, _MATH_CONS_4 = _asm_constants(4)
-
-
-def _group_asm_constants(gb: int, groups: int) -> tuple:
-    """(math text, its constraints, its result types) of _group_math_asm(gb, groups)."""
+    if kind == "load":
+        return _load_asm(gb), "=r," * loads + "l,l,l,r", (tl.int32,) * loads
+    if kind == "math":
+        return _math_asm(gb), "=f,f" + ",r" * loads + ",l,r,r", (tl.float32,)
     n = 8 * groups
-    return (tl.constexpr(_group_math_asm(gb, groups)),
-            tl.constexpr("=f," * n + "f," * n + "r," * (LOADED * gb) + "l," * groups + "r"),
-            tl.constexpr((tl.float32,) * n))
+    return (_group_math_asm(gb, groups), "=f," * n + "f," * n + "r," * loads + "l," * groups + "r",
+            (tl.float32,) * n)
 
 
-_GROUP_1_1, _GROUP_CONS_1_1, _GROUP_TYPES_1_1 = _group_asm_constants(1, 1)
-_GROUP_2_1, _GROUP_CONS_2_1, _GROUP_TYPES_2_1 = _group_asm_constants(2, 1)
-_GROUP_4_1, _GROUP_CONS_4_1, _GROUP_TYPES_4_1 = _group_asm_constants(4, 1)
-_GROUP_1_2, _GROUP_CONS_1_2, _GROUP_TYPES_1_2 = _group_asm_constants(1, 2)
-_GROUP_2_2, _GROUP_CONS_2_2, _GROUP_TYPES_2_2 = _group_asm_constants(2, 2)
-_GROUP_4_2, _GROUP_CONS_4_2, _GROUP_TYPES_4_2 = _group_asm_constants(4, 2)
+# Every step the kernels take, built once: a constexpr function may read a dict but not call a
+# plain Python function.
+_ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
+              for kind, groups in (("load", 0), ("math", 0), ("group", 1), ("group", 2)) for gb in (1, 2, 4)}
+
+
+@triton.constexpr_function
+def _asm_text(kind: str, gb: int, groups: int):
+    return _ASM_STEPS[(kind, gb, groups)][0]
+
+
+@triton.constexpr_function
+def _asm_constraints(kind: str, gb: int, groups: int):
+    return _ASM_STEPS[(kind, gb, groups)][1]
+
+
+@triton.constexpr_function
+def _asm_types(kind: str, gb: int, groups: int):
+    return _ASM_STEPS[(kind, gb, groups)][2]
+
+
+@triton.jit
+def _asm_call(KIND: tl.constexpr, GB: tl.constexpr, GROUPS: tl.constexpr, args):
+    """asm_step(KIND, GB, GROUPS) on `args` ([KS, P, 32] operands). Not pure: the loads must stay
+    where the K loop's software pipelining puts them, and the math steps' activation loads after
+    the PDL wait, like any read of a launch's output."""
+    tl.static_assert(GB == 1 or GB == 2 or GB == 4, "the tensor-core steps take 1, 2 or 4 block columns per asm")
+    return tl.inline_asm_elementwise(_asm_text(KIND, GB, GROUPS), _asm_constraints(KIND, GB, GROUPS), args,
+                                     dtype=_asm_types(KIND, GB, GROUPS), is_pure=False, pack=1)
 
 
 @triton.jit
 def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block):
-    """_load_asm(GB) on [KS, P, 32] operands: a tuple of LOADED * GB int32 tensors. Not pure, so
-    that nothing moves the loads (the K loop's software pipelining places them)."""
-    args = [w_addr, w_tile, s_addr, s_block]
-    if GB == 1:
-        out = tl.inline_asm_elementwise(_LOAD_1, _LOAD_CONS_1, args, dtype=_LOAD_TYPES_1, is_pure=False, pack=1)
-    elif GB == 2:
-        out = tl.inline_asm_elementwise(_LOAD_2, _LOAD_CONS_2, args, dtype=_LOAD_TYPES_2, is_pure=False, pack=1)
-    else:
-        tl.static_assert(GB == 4, "gemv_mma takes 1, 2 or 4 block columns per asm step")
-        out = tl.inline_asm_elementwise(_LOAD_4, _LOAD_CONS_4, args, dtype=_LOAD_TYPES_4, is_pure=False, pack=1)
-    return out
+    """_load_asm(GB) on [KS, P, 32] operands: a tuple of LOADED * GB int32 tensors."""
+    return _asm_call("load", GB, 0, (w_addr, w_tile, s_addr, s_block))
 
 
 @triton.jit
 def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t):
-    """_math_asm(GB): the accumulator after one K step of `loaded` (_load_step's tuple). Not pure:
-    its activation loads must stay after the PDL wait, like any read of a launch's output."""
-    args = (acc,) + loaded + (x_addr, skip, lane_t)
-    if GB == 1:
-        out = tl.inline_asm_elementwise(_MATH_1, _MATH_CONS_1, args, dtype=tl.float32, is_pure=False, pack=1)
-    elif GB == 2:
-        out = tl.inline_asm_elementwise(_MATH_2, _MATH_CONS_2, args, dtype=tl.float32, is_pure=False, pack=1)
-    else:
-        out = tl.inline_asm_elementwise(_MATH_4, _MATH_CONS_4, args, dtype=tl.float32, is_pure=False, pack=1)
-    return out
+    """_math_asm(GB): the accumulator after one K step of `loaded` (_load_step's tuple)."""
+    return _asm_call("math", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
 
 
 @triton.jit
 def _group_math_step(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip):
     """_group_math_asm(GB, GROUPS) at block column kb: the tuple of 8 * GROUPS accumulators after
-    one K step; x_ptrs holds each group's lane x pointers at block column 0. Not pure (_math_step)."""
+    one K step; x_ptrs holds each group's lane x pointers at block column 0."""
     if GROUPS == 1:
         xs = ((x_ptrs[0] + kb * 32).to(tl.int64),)
     else:
         tl.static_assert(GROUPS == 2, "the grouped mma takes 1 or 2 groups of 8 tokens")
         xs = ((x_ptrs[0] + kb * 32).to(tl.int64), (x_ptrs[1] + kb * 32).to(tl.int64))
-    args = acc + loaded + xs + (skip,)
-    if GROUPS == 1:
-        if GB == 1:
-            out = tl.inline_asm_elementwise(_GROUP_1_1, _GROUP_CONS_1_1, args, dtype=_GROUP_TYPES_1_1,
-                                            is_pure=False, pack=1)
-        elif GB == 2:
-            out = tl.inline_asm_elementwise(_GROUP_2_1, _GROUP_CONS_2_1, args, dtype=_GROUP_TYPES_2_1,
-                                            is_pure=False, pack=1)
-        else:
-            out = tl.inline_asm_elementwise(_GROUP_4_1, _GROUP_CONS_4_1, args, dtype=_GROUP_TYPES_4_1,
-                                            is_pure=False, pack=1)
-    else:
-        if GB == 1:
-            out = tl.inline_asm_elementwise(_GROUP_1_2, _GROUP_CONS_1_2, args, dtype=_GROUP_TYPES_1_2,
-                                            is_pure=False, pack=1)
-        elif GB == 2:
-            out = tl.inline_asm_elementwise(_GROUP_2_2, _GROUP_CONS_2_2, args, dtype=_GROUP_TYPES_2_2,
-                                            is_pure=False, pack=1)
-        else:
-            out = tl.inline_asm_elementwise(_GROUP_4_2, _GROUP_CONS_4_2, args, dtype=_GROUP_TYPES_4_2,
-                                            is_pure=False, pack=1)
-    return out
+    return _asm_call("group", GB, GROUPS, acc + loaded + xs + (skip,))
 
 
 @triton.jit

@@ -8,7 +8,10 @@ every weight to bf16 and pass it through shared memory into the mma: ~28 SASS in
 packed 4-byte word at T=64 (offline sm_90, session 23), whatever the rows. moe_gemv_mma.py's
 batch-1 step keeps each lane's packed words as its own A fragment and needs no shared memory; here
 B's 8 columns are 8 of the expert's rows instead of one token 8 times, so one unpacked fragment
-serves 8 rows, and a second group of 8 columns (an expert's rows 9-16) shares it.
+serves 8 rows, and a second group of 8 columns (an expert's rows 9-16) shares it. Measured (H200,
+session 24): faster than the tiles at up to 2 rows per expert on 20b (pick_config's range), slower
+from 4: every warp reads its 8 columns' activations itself, as many sectors as its weight words
+once the rows are distinct, where the tiles stage them once per program in shared memory.
 
 A program owns one routing tile (at most 16 sorted rows of one expert) and the weight rows of one
 column block (gemm1: 2 * block_n1 interleaved gate/up rows; gemm2: block_n2 output columns), as
