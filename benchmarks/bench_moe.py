@@ -273,18 +273,20 @@ def _variant_config(case: Case, variant: str | dict):
 
 def _kernels(st: _Setup, variant):
     """(kernel, config, fn, layers per call, bytes, flops) for the matmul-based kernels of one variant."""
-    from gptoss_cli.kernels.moe import moe_forward, pick_config
-    from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
-    from gptoss_cli.kernels.moe_group_mma import (
-        group_fits,
-        moe_group_gemm1_swiglu,
-        moe_group_gemm2,
+    from gptoss_cli.kernels.moe import (
+        moe_forward,
+        pick_config,
+        runnable_config,
+        uses_group_kernels,
     )
+    from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
+    from gptoss_cli.kernels.moe_group_mma import moe_group_gemm1_swiglu, moe_group_gemm2
     from gptoss_cli.kernels.moe_matmul import moe_gemm1_swiglu, moe_gemm2, slot_dtype
 
     case, r, ws = st.case, st.routing, st.weights
     base = pick_config(case.tokens, case.experts, case.top_k, frag_scales=True)
-    cfg = _variant_config(case, variant)
+    # As moe_forward runs it: the tiles where a variant's grouped kernels cannot run here.
+    cfg = runnable_config(_variant_config(case, variant), st.x.dtype, ws[0], case.tokens, case.top_k)
     same_tiles = cfg.block_m == base.block_m
     if not same_tiles:  # a variant with other tile heights needs its own tile table
         from gptoss_cli.kernels.moe_routing import route
@@ -300,7 +302,7 @@ def _kernels(st: _Setup, variant):
     y_out = st.y if cfg.split_k == 1 and y_dtype == st.y.dtype else \
         torch.empty(cfg.split_k * slots, c, dtype=y_dtype, device=st.y.device)
 
-    group = not cfg.gemv and group_fits(cfg, st.x.dtype, ws[0])
+    group = uses_group_kernels(cfg)
     g2, logit_bytes = (moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2), 0
     if cfg.gemv:
         # With gemv_topk every gemv1 program takes its slot's top-k from the router logits, as

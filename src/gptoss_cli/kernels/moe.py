@@ -215,13 +215,18 @@ def moe_block(
         return moe_combine_norm(y, top_k, norm.residual_out, next_norm_weight, eps, splits=cfg.split_k)
 
 
-def _runnable(cfg: MoeConfig, dtype: torch.dtype, w: MoeWeights, num_tokens: int, top_k: int) -> MoeConfig:
+def runnable_config(cfg: MoeConfig, dtype: torch.dtype, w: MoeWeights, num_tokens: int, top_k: int) -> MoeConfig:
     """cfg, or where it asks for the grouped kernels (group_mma) and they cannot run here (no asm
     path: the interpreter, activations not bf16; weights not in 16-row groups), the decode tiles
     pick_config would choose without them."""
     if cfg.group_mma and not group_fits(cfg, dtype, w):
         return regime_config("decode", num_tokens, w.num_experts, top_k, w.has_frag_scales, group=False)
     return cfg
+
+
+def uses_group_kernels(cfg: MoeConfig) -> bool:
+    """Whether a runnable_config runs the grouped kernels (the gemv takes precedence)."""
+    return cfg.group_mma and not cfg.gemv
 
 
 def _router_fused(cfg: MoeConfig, num_tokens: int) -> bool:
@@ -240,8 +245,8 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
         raise ValueError(f"top_k must be in [1, {w.num_experts}], got {top_k}")
     x = x.contiguous()
     num_tokens, dt = x.shape[0], x.dtype
-    cfg = _runnable(config or pick_config(num_tokens, w.num_experts, top_k, w.has_frag_scales), dt, w, num_tokens,
-                    top_k)
+    cfg = runnable_config(config or pick_config(num_tokens, w.num_experts, top_k, w.has_frag_scales), dt, w,
+                          num_tokens, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt, slot_dtype(cfg, dt)) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
     if _router_fused(cfg, num_tokens):
@@ -258,7 +263,7 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             logits = router_logits(x, router_weight, router_bias)
         with record_function("moe.route"):
             routing = route(logits, top_k, cfg.block_m, out=bufs[0], sort=not cfg.gemv)
-    group = cfg.group_mma and not cfg.gemv
+    group = uses_group_kernels(cfg)
     gemm1 = moe_group_gemm1_swiglu if group else moe_gemm1_swiglu
     gemm2 = moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2
     with record_function("moe.w1+swiglu"):
