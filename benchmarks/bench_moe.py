@@ -232,6 +232,10 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "split2": {"split_k": 2},
     "stages4": {"num_stages": 4},
     "r96": {"maxnreg": 96} | BOTH_GEMMS,  # 10 programs per SM instead of 9, a few spilled bytes (offline sm_90)
+    # ncu (session 25): the T=64 tiles sit at 25 % theoretical occupancy, 8 programs per SM by
+    # registers (105) and 9 by shared memory (3 stages, 12.8 KB); 2 stages and a cap of 80 allow 12.
+    # Measured (session 25): 20b T=64 moe_forward 184.9 -> 251.1 us, engine batch 64 -25 %.
+    "occ-s2-r80": {"num_stages": 2, "maxnreg": 80} | BOTH_GEMMS,
     # Both gemms' K step and register cap (block_k2 / maxnreg2 unset): K step 128 without a cap (141
     # registers: 7 programs per SM), and session 13's K step 64 under a cap of 128 everywhere.
     "k128-free": {"block_k": 128, "maxnreg": 0} | BOTH_GEMMS,
