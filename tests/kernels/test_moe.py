@@ -429,11 +429,13 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
 
 
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
-                                                        (4, 128, 96, 4), (4, 32, 2500, 4)])
+                                                        (4, 128, 96, 4), (4, 32, 2500, 4), (13, 6, 136, 2),
+                                                        (64, 32, 160, 4)])
 @pytest.mark.parametrize("sort", [True, False], ids=["sort", "no-sort"])
 def test_fused_router_matches_linear_then_route(device, tokens, experts, hidden, top_k, sort):
     # 5 experts: the last program of two has one masked expert; hidden 300 / 520 / 96 are not
-    # powers of two (masked columns); 4 tokens x 2500 columns take the multi-step column loop.
+    # powers of two (masked columns); 4 tokens x 2500 columns take the multi-step column loop;
+    # 13 tokens: two token blocks, the second part-full; 64: eight full token blocks.
     x = torch.randn(tokens, hidden, device=device)
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
     got = moe_router.route_tokens(x, rw, rb, top_k, 16, sort=sort)
@@ -450,7 +452,7 @@ def test_fused_router_scratch_is_reusable(device):
     experts, hidden = 8, 64
     scratch = moe_router.RouterScratch.allocate(experts, device)
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
-    for tokens in (1, 4, 2, 1):
+    for tokens in (1, 4, 2, 11, 1):
         x = torch.randn(tokens, hidden, device=device)
         got = moe_router.route_tokens(x, rw, rb, 2, 16, sort=False, scratch=scratch)
         assert torch.equal(got.topk_ids, route(router_logits(x, rw, rb), 2, 16).topk_ids)
@@ -850,7 +852,7 @@ def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
 
 
 @requires_gpu
-@pytest.mark.parametrize("tokens,experts", [(1, 32), (4, 32), (1, 128)])
+@pytest.mark.parametrize("tokens,experts", [(1, 32), (4, 32), (1, 128), (20, 32), (64, 32), (64, 128)])
 def test_fused_router_bf16_real_shapes(tokens, experts):
     # bf16 logits: both paths round an fp32 sum once; the sums differ in order only, so the chosen
     # experts agree except at exact ties after rounding (none in random data of this size).
@@ -921,8 +923,9 @@ def test_combine_norm_equals_combine_then_rms_norm(device, dtype, tokens, hidden
 
 @pytest.mark.parametrize("tokens", [1, 4, 5, 40])
 def test_moe_block_matches_norm_moe_norm(device, tokens):
-    # 1 and 4 tokens: both norms fused (router and combine launches); 5 and 40: the block's norm
-    # its own launch, the next one still inside the combine.
+    # 1 and 4 tokens: both norms fused (router and combine launches); 5 and 40 (pick_config's
+    # router: F.linear and route): the block's norm its own launch, the next one still inside the
+    # combine.
     experts, hidden, inter, top_k = 4, 64, 96, 2
     raw = _raw_weights(experts, hidden, inter, device)
     w = prepare_moe_weights(*raw)
@@ -938,7 +941,8 @@ def test_moe_block_matches_norm_moe_norm(device, tokens):
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs untouched
 
 
-@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300), (4, 2500)])  # the last: several column steps
+# (4, 2500): several column steps; (12, 300): two token blocks, the second part-full.
+@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300), (4, 2500), (12, 300)])
 def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
     # Each program writes its slice of the normalised rows and of x + residual: together, all of it,
     # equal to the rms_norm kernel; the routing equals routing the normed rows.

@@ -12,13 +12,17 @@ from dataclasses import dataclass
 import triton
 
 from .interpreter import is_interpreted
-from .moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from .mxfp4 import VALUES_PER_BLOCK
 
 # Expected rows per expert (T*K/E, uniform routing) up to which the decode regime is used. H200,
 # 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
 # per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
 DECODE_MAX_ROWS_PER_EXPERT = 32
+# Steps of up to this many tokens take the fused router (MoeConfig.fused_router). The launch takes
+# up to moe_router.MAX_TOKENS (64) since session 25, but 5-64 tokens are not measured in the engine
+# yet (predicted: 10.7 us of router GEMM, its reduce, the top-k and a norm launch per layer at 20b
+# batch 64 replaced by one launch; `ab_options.py --batch 64 --engine moe.fused_router=1` times it).
+FUSED_ROUTER_TOKENS = 4
 SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack / scale_unpack2
 
 
@@ -270,7 +274,7 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         # 56.7 -> 39.4).
         tiles = {"block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2, "maxnreg": 128,
                  "split_k": 2 if per_expert <= 1 else 1} | _decode_tile_changes(per_expert, num_experts, group)
-        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=num_tokens <= ROUTER_MAX_TOKENS,
+        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=num_tokens <= FUSED_ROUTER_TOKENS,
                          **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:

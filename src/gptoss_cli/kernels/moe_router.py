@@ -1,4 +1,4 @@
-"""Router logits and top-k in one launch, for a few tokens (decode at batch 1-4).
+"""Router logits and top-k in one launch, for decode-sized steps (up to MAX_TOKENS tokens).
 
 At batch 1 the router is a [1, 2880] x [2880, 32] product (184 KB of weights): cuBLAS runs it as a
 split-K GEMM plus a reduce kernel, ~6 us per layer on the H200, and the top-k kernel then reads the
@@ -9,9 +9,15 @@ a scratch row and counts its arrival on an atomic counter; the last program to a
 top-k/softmax of moe_routing over all experts and resets the counter for the next launch (and the
 next graph replay).
 
+From 2 tokens the programs also split the tokens, TOKENS_PER_PROGRAM each (a second grid
+dimension), so that no program streams more than a few rows of the activations; the last program
+to arrive takes the top-k of every token. (Above 4 tokens the router used to be cuBLAS's split-K
+GEMM, its reduce, the top-k kernel and a separate rms_norm launch: 10.7 us per layer at 20b batch
+64 on the H200, session 25.)
+
 The MoE block's input norm can run here too (`RouterNorm`): every program needs the whole
-normalised row for its dot products anyway, and writes its slice of it and of the residual
-stream, which saves the rms_norm launch.
+normalised rows of its tokens for its dot products anyway, and writes its slice of them and of
+the residual stream, which saves the rms_norm launch.
 
 The logits are rounded to the activation dtype as F.linear does (fp32 sum, bias added in fp32, one
 rounding). The summation order differs from cuBLAS, so a logit can differ in its last bit, which
@@ -31,12 +37,16 @@ from .moe_routing import (
     _topk_softmax_store,
     routing_buffers,
     sort_slots,
+    token_block,
 )
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 # Above this many tokens the logits go through F.linear and moe_routing.route (there cuBLAS
-# reuses each weight row over the tokens; here every token is a row of a register tile).
-MAX_TOKENS = 4
+# reuses each weight row over the tokens; here every token is a row of a register tile, and the
+# last program's top-k holds all tokens' logits in registers). 64: the decode steps captured in
+# graphs (runtime.gpu.runner's batch buckets).
+MAX_TOKENS = 64
+TOKENS_PER_PROGRAM = 8  # rows of the activations a program streams (twice, with the norm)
 GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
 NUM_WARPS = 8
 PRODUCT_ELEMS = 8192  # elements of one [tokens, experts, columns] product step
@@ -88,10 +98,12 @@ def _router_split_kernel(
     res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
-    PDL: tl.constexpr, TOPK: tl.constexpr = True,
+    PDL: tl.constexpr, TOPK: tl.constexpr = True, BLOCK_TA: tl.constexpr = 1,
 ):  # fmt: skip
+    """Program (i, j): experts GROUP_E * i .., tokens BLOCK_T * j ..; the last to arrive takes the
+    top-k of all tokens, BLOCK_TA rows (one histogram row) at a time."""
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_T)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     es = pid * GROUP_E + tl.arange(0, GROUP_E)
     e_ok = es < num_experts
@@ -141,13 +153,16 @@ def _router_split_kernel(
     # previous layer's rows of the same scratch.
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < num_experts
-        every = tl.load(logits_ptr + rows[:, None] * num_experts + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
-        _topk_softmax_store(every, 0, rows, row_ok, cols, col_ok, weights_ptr, ids_ptr, hist_ptr, num_experts,
-                            TOP_K, BLOCK_K, BLOCK_T, BLOCK_E)
+        for c0 in range(0, num_tokens, BLOCK_TA):
+            every_row = c0 + tl.arange(0, BLOCK_TA)
+            every_ok = every_row < num_tokens
+            every = tl.load(logits_ptr + every_row[:, None] * num_experts + cols[None, :],
+                            mask=every_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+            _topk_softmax_store(every, c0 // BLOCK_TA, every_row, every_ok, cols, col_ok, weights_ptr, ids_ptr,
+                                hist_ptr, num_experts, TOP_K, BLOCK_K, BLOCK_TA, BLOCK_E)
         tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -200,17 +215,20 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
-    block_t = triton.next_power_of_2(num_tokens)
+    # The top-k's rows at a time: the routing's own token blocks (its histogram rows), at most all tokens.
+    block_ta = min(triton.next_power_of_2(num_tokens), token_block(num_tokens, num_experts))
+    block_t = min(triton.next_power_of_2(num_tokens), TOKENS_PER_PROGRAM)
     block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
-    _router_split_kernel[(triton.cdiv(num_experts, group_e),)](
+    _router_split_kernel[(triton.cdiv(num_experts, group_e), triton.cdiv(num_tokens, block_t))](
         x, x.stride(0), weight, weight.stride(0), bias, scratch.logits, scratch.arrivals, out.topk_weights,
         out.topk_ids, out.block_hist, num_tokens, num_experts, hidden,
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=group_e, BLOCK_C=block_c, NORM=norm is not None,
-        ONE_STEP=block_c >= hidden, TOPK=topk, num_warps=num_warps, **pdl_launch(pdl_enabled(x)),
+        ONE_STEP=block_c >= hidden, TOPK=topk, BLOCK_TA=block_ta, num_warps=num_warps,
+        **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     if sort:
-        sort_slots(out, block_t, 4)
+        sort_slots(out, block_ta, 4)
     return out
