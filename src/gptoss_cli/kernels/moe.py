@@ -203,9 +203,9 @@ def moe_block(
     The second norm always runs inside the combine, one program per token over a whole row. When
     the fused router runs (MoeConfig.fused_router, for steps of at most moe_router.MAX_TOKENS
     tokens), the first one runs inside the router launch (two launches less per layer at batch 1);
-    otherwise it is its own launch. H200, 20b batch 64 (session 25): the combine's 48 programs of 16 tokens x 256 columns
-    and the separate norm took 8.0 + 2.4 us per layer, the one launch 4.8; step 6.160 -> 6.029 ms
-    (120b: 19.198 -> 18.977 ms)."""
+    otherwise it is its own launch. H200, 20b batch 64 (session 25): the combine's 48 programs of
+    16 tokens x 256 columns and the separate norm took 8.0 + 2.4 us per layer, the one launch 4.8;
+    step 6.160 -> 6.029 ms (120b: 19.198 -> 18.977 ms)."""
     cfg = pick_config(x.shape[0], w.num_experts, top_k, w.has_frag_scales)
     x, residual = x.contiguous(), residual.contiguous()
     if _router_fused(cfg, x.shape[0]):

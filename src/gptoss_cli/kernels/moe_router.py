@@ -42,9 +42,9 @@ from .moe_routing import (
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 # Above this many tokens the logits go through F.linear and moe_routing.route (there cuBLAS
-# reuses each weight row over the tokens; here every token is a row of a register tile, and the
-# last program's top-k holds all tokens' logits in registers). 64: the decode steps captured in
-# graphs (runtime.gpu.runner's batch buckets).
+# reuses each weight row over the tokens; here every token is a row of a register tile). 64: the
+# engine's largest decode step (GpuEngineConfig.max_batch's default). pick_config decides where
+# the fused router runs (moe_config.FUSED_ROUTER_TOKENS).
 MAX_TOKENS = 64
 TOKENS_PER_PROGRAM = 8  # rows of the activations a program streams (twice, with the norm)
 GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
