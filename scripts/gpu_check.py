@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -225,6 +226,17 @@ def section_load(args) -> None:
     row("load", "wall time", f"{r.wall_seconds:.0f}s (load {r.load_seconds:.1f}s, alone runs {r.alone_seconds:.1f}s)")
 
 
+def _complete_checkpoint(path: Path) -> bool:
+    from gptoss_cli.runtime.checkpoint import check_directory
+    from gptoss_cli.runtime.errors import CheckpointError
+
+    try:
+        check_directory(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def section_e20b(args) -> None:
     from gptoss_cli.runtime.api import SamplingParams
     from gptoss_cli.runtime.checkpoint import load_checkpoint
@@ -236,8 +248,14 @@ def section_e20b(args) -> None:
     confident = args.e20b_readout == "confident"
     path = Path(f"/tmp/random-20b-{args.e20b_readout}")
     t = time.time()
-    if not (path / "config.json").exists():
-        write_checkpoint(path, "20b", seed=0, device="cuda", confident=confident)
+    if not _complete_checkpoint(path):
+        # Written beside it and renamed at the end: a run that fails half-way (session 25: a missing
+        # tokenizer package) must not leave a directory the next run takes for a checkpoint.
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write_checkpoint(partial, "20b", seed=0, device="cuda", confident=confident)
+        shutil.rmtree(path, ignore_errors=True)
+        partial.rename(path)
     row("e20b", f"write random 20b checkpoint ({args.e20b_readout} readout)", f"{time.time() - t:.0f}s")
     lengths = [7, 33, 64, 100, 129, 200, 257, 300, 400, 511, 600, 777, 900, 1024, 1200, 1500, 1800, 2000, 2500, 3000]
     prompts = _prompts(20, lengths, seed=1)
