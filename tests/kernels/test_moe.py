@@ -921,11 +921,11 @@ def test_combine_norm_equals_combine_then_rms_norm(device, dtype, tokens, hidden
     assert torch.equal(got, want) if device == "cpu" else rel_err(got.float(), want.float()) < 4e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 4, 5, 40, 70])
 def test_moe_block_matches_norm_moe_norm(device, tokens):
     # 1 and 4 tokens: both norms fused (router and combine launches); 5 and 40 (pick_config's
     # router: F.linear and route): the block's norm its own launch, the next one still inside the
-    # combine.
+    # combine; 70 (a prompt step): the three steps as written.
     experts, hidden, inter, top_k = 4, 64, 96, 2
     raw = _raw_weights(experts, hidden, inter, device)
     w = prepare_moe_weights(*raw)

@@ -107,6 +107,10 @@ def moe_ref(
     return out.to(dt)
 
 
+# Steps of up to this many tokens (decode) take the next block's norm inside the combine (moe_block).
+COMBINE_NORM_TOKENS = 64
+
+
 @dataclass
 class MoeWorkspace:
     """Preallocated intermediates of moe_forward for up to `max_tokens` tokens, so a captured
@@ -200,13 +204,18 @@ def moe_block(
         h, r = rms_norm(x, norm_weight, eps, residual)
         return rms_norm(moe_forward(h, ...), next_norm_weight, eps, r)
 
-    The second norm always runs inside the combine, one program per token over a whole row. When
-    the fused router runs (MoeConfig.fused_router, for steps of at most moe_router.MAX_TOKENS
-    tokens), the first one runs inside the router launch (two launches less per layer at batch 1);
-    otherwise it is its own launch. H200, 20b batch 64 (session 25): the combine's 48 programs of
-    16 tokens x 256 columns and the separate norm took 8.0 + 2.4 us per layer, the one launch 4.8;
-    step 6.160 -> 6.029 ms (120b: 19.198 -> 18.977 ms)."""
+    In decode-sized steps (at most COMBINE_NORM_TOKENS tokens) the second norm runs inside the
+    combine, one program per token over a whole row. H200, 20b batch 64 (session 25): the
+    combine's 48 programs of 16 tokens x 256 columns and the separate norm took 8.0 + 2.4 us per
+    layer, the one launch 4.8; step 6.160 -> 6.029 ms (120b: 19.198 -> 18.977 ms). Prompt steps
+    keep the two launches (under the interpreter a program per token of a long prompt costs
+    seconds per layer). When the fused router runs (MoeConfig.fused_router), the first norm runs
+    inside the router launch (two launches less per layer at batch 1); otherwise it is its own."""
     cfg = pick_config(x.shape[0], w.num_experts, top_k, w.has_frag_scales)
+    if x.shape[0] > COMBINE_NORM_TOKENS:
+        h, r = rms_norm(x, norm_weight, eps, residual)
+        return rms_norm(moe_forward(h, router_weight, router_bias, w, top_k, limit, alpha, workspace),
+                        next_norm_weight, eps, r)
     x, residual = x.contiguous(), residual.contiguous()
     if _router_fused(cfg, x.shape[0]):
         norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x))
