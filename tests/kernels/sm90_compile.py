@@ -336,17 +336,12 @@ def _qkv_rope():
 
 
 def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = True):
-    import triton
-
     from gptoss_cli.kernels import moe_router as mr
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "logits_ptr": "*fp32", "arrivals_ptr": "*i32",
                 "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
                 "y_ptr": "*bf16", "h_ptr": "*bf16"}
-    from gptoss_cli.kernels.moe_routing import token_block
-
-    block_ta = min(triton.next_power_of_2(tokens), token_block(tokens, experts))
-    block_t = min(triton.next_power_of_2(tokens), mr.TOKENS_PER_PROGRAM)
+    block_t, block_ta = mr.token_blocks(tokens, experts)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
                   "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm,
                   "ONE_STEP": block_t == 1, "PDL": True, "TOPK": topk, "BLOCK_TA": block_ta}

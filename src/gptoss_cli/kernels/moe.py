@@ -213,10 +213,6 @@ def moe_block(
     63.4 against 64.2 ms). When the fused router runs (MoeConfig.fused_router), the first norm
     runs inside the router launch (two launches less per layer at batch 1); otherwise it is its own."""
     cfg = pick_config(x.shape[0], w.num_experts, top_k, w.has_frag_scales)
-    if x.shape[0] > COMBINE_NORM_TOKENS:
-        h, r = rms_norm(x, norm_weight, eps, residual)
-        return rms_norm(moe_forward(h, router_weight, router_bias, w, top_k, limit, alpha, workspace),
-                        next_norm_weight, eps, r)
     x, residual = x.contiguous(), residual.contiguous()
     if _router_fused(cfg, x.shape[0]):
         norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x))
@@ -225,6 +221,10 @@ def moe_block(
     else:
         h, residual = rms_norm(x, norm_weight, eps, residual)
         y, cfg = _expert_outputs(h, router_weight, router_bias, w, top_k, limit, alpha, workspace, cfg)
+    if x.shape[0] > COMBINE_NORM_TOKENS:
+        with record_function("moe.combine"):
+            moe_out = moe_combine(y, top_k, x.dtype, splits=cfg.split_k)
+        return rms_norm(moe_out, next_norm_weight, eps, residual)
     with record_function("moe.combine+norm"):
         return moe_combine_norm(y, top_k, residual, next_norm_weight, eps, splits=cfg.split_k)
 

@@ -178,6 +178,13 @@ class RouterNorm:
     residual_out: torch.Tensor
 
 
+def token_blocks(num_tokens: int, num_experts: int) -> tuple[int, int]:
+    """(tokens per program, tokens per step of the last program's top-k) of a launch: the top-k
+    goes by the routing's own token blocks (one histogram row each), at most all tokens."""
+    rows = triton.next_power_of_2(num_tokens)
+    return min(rows, TOKENS_PER_PROGRAM), min(rows, token_block(num_tokens, num_experts))
+
+
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
                  out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
                  norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS,
@@ -215,9 +222,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
-    # The top-k's rows at a time: the routing's own token blocks (its histogram rows), at most all tokens.
-    block_ta = min(triton.next_power_of_2(num_tokens), token_block(num_tokens, num_experts))
-    block_t = min(triton.next_power_of_2(num_tokens), TOKENS_PER_PROGRAM)
+    block_t, block_ta = token_blocks(num_tokens, num_experts)
     block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
     _router_split_kernel[(triton.cdiv(num_experts, group_e), triton.cdiv(num_tokens, block_t))](
