@@ -95,12 +95,19 @@ def _row(op: str, layer: str, batch: int, tokens: int, ms: float, nbytes: float,
                 pct_bf16=100 * tflops / BF16_TFLOPS)
 
 
-def _decode_case(batch: int, context: int, window: int, device: str, timer, tiles=None, num_splits=None) -> dict:
+def _decode_case(batch: int, context: int, window: int, device: str, timer, tiles=None, num_splits=None,
+                 table_blocks: int = 0) -> dict:
+    """table_blocks: the block table's width when wider than the context needs (the engine sizes it
+    for its longest row; the entries past the context are never read)."""
     from gptoss_cli.kernels.decode_attention import decode_attention
 
     ring = -(-window // BLOCK_SIZE) + 1 if window else 0
     blocks_per_seq = ring or -(-context // BLOCK_SIZE)
     k_cache, v_cache, table = _paged_cache(batch, blocks_per_seq, device)
+    if table_blocks > blocks_per_seq:
+        wide = torch.zeros(batch, table_blocks, dtype=table.dtype, device=device)
+        wide[:, :blocks_per_seq] = table
+        table = wide
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     sinks = torch.randn(NUM_HEADS, dtype=torch.bfloat16, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -186,6 +193,27 @@ def sweep(device: str = "cuda") -> list[tuple[str, dict]]:
     return out
 
 
+def short_sweep(device: str = "cuda") -> list[tuple[str, dict]]:
+    """Decode at the short contexts of a chat or `gptoss bench` (a 128-token prompt), with the
+    engine's block table (131,072 keys wide) and so its split count (choose_num_splits): the
+    fewest keys per split (min_chunk) decides how many programs share a short row's keys."""
+    from gptoss_cli.kernels.decode_attention import DecodeTiles, choose_num_splits
+
+    timer, out = _timer(device), []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    table_keys = 131072 if device == "cuda" else 512
+    for batch in (1, 64) if device == "cuda" else (1,):
+        splits = choose_num_splits(batch, NUM_KV_HEADS, table_keys, sms)
+        for context in (256, 384, 1024, 4096) if device == "cuda" else (100,):
+            for mc in (128, 256, 512) if device == "cuda" else (32, 64):
+                tiles = DecodeTiles(block_n=128 if device == "cuda" else 32, num_warps=4,
+                                    num_stages=3 if device == "cuda" else 1, min_chunk=mc)
+                label = f"batch {batch} splits {splits} min_chunk={mc}"
+                out.append((label, _decode_case(batch, context, 0, device, timer, tiles=tiles, num_splits=splits,
+                                                table_blocks=table_keys // BLOCK_SIZE)))
+    return out
+
+
 def prefill_sweep(device: str = "cuda") -> list[tuple[str, dict]]:
     """A 4k-token prompt (CPU: 48 tokens) over the prefill kernel's launch shape, full and sliding
     layers: rows of (token, query head) per program, keys per step, warps and pipeline depth
@@ -228,6 +256,8 @@ def main() -> None:
                         help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also sweep batch-1 decode tiles and splits at 32k")
     parser.add_argument("--prefill-sweep", action="store_true", help="also sweep the prefill kernel's tiles at 4k")
+    parser.add_argument("--short-sweep", action="store_true",
+                        help="also sweep the fewest keys per split at short contexts, engine-wide block table")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -240,6 +270,9 @@ def main() -> None:
     if args.sweep:
         for label, r in sweep(device):
             print(f"{label:<54} ctx {r['tokens']:>6}  {r['ms'] * 1e3:8.1f} us  {r['pct_copy']:5.1f} % of copy bw")
+    if args.short_sweep:
+        for label, r in short_sweep(device):
+            print(f"{label:<40} ctx {r['tokens']:>6}  {r['ms'] * 1e3:8.1f} us")
     if args.prefill_sweep:
         for label, r in prefill_sweep(device):
             print(f"{label:<46} {r['layer']:<8} T {r['tokens']:>5}  {r['ms'] * 1e3:8.1f} us  {r['pct_bf16']:5.1f} % of bf16")

@@ -2,7 +2,7 @@
 block's input norm (kernels/moe_router.py) and the combine with the next block's norm
 (moe_matmul.moe_combine_norm), against the separate launches they replace.
 
-    PYTHONPATH=src python benchmarks/bench_router.py        # H200
+    PYTHONPATH=src python benchmarks/bench_router.py [TOKENS ...]   # H200; tokens per step, default 1
 
 For each case: median time of a CUDA-graph replay (triton.testing.do_bench_cudagraph), and whether
 its outputs equal the separate launches' (chosen experts identical, normalised rows within one
@@ -24,33 +24,41 @@ def _time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
 
 
-def _router_rows(experts: int, hidden: int = 2880) -> list[tuple]:
-    """(label, us, outputs ok, (group_e, num_warps) or None for the separate launches)"""
+def _router_rows(experts: int, tokens: int = 1, hidden: int = 2880) -> list[tuple]:
+    """(label, us, outputs ok, (group_e, num_warps, tokens per program) or None for the separate
+    launches)"""
     from gptoss_cli.kernels import moe_router
     from gptoss_cli.kernels.moe import router_logits
     from gptoss_cli.kernels.moe_routing import route
     from gptoss_cli.kernels.rmsnorm import rms_norm
 
-    x = torch.randn(1, hidden, device="cuda").bfloat16()
-    residual = torch.randn(1, hidden, device="cuda").bfloat16()
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    residual = torch.randn(tokens, hidden, device="cuda").bfloat16()
     norm_w = (torch.rand(hidden, device="cuda") + 0.5).bfloat16()
     rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).bfloat16()
     rb = torch.randn(experts, device="cuda").bfloat16()
     h, _ = rms_norm(x, norm_w, 1e-5, residual)
     want = route(router_logits(h, rw, rb), 4, 16, sort=False)
-    rows = [(f"router E={experts}: rms_norm + F.linear + top-k (3-4 launches)",
+    head = f"router E={experts} T={tokens}:"
+    rows = [(f"{head} rms_norm + F.linear + top-k (3-4 launches)",
              _time_us(lambda: route(router_logits(rms_norm(x, norm_w, 1e-5, residual)[0], rw, rb), 4, 16, sort=False)),
              True, None)]
     scratch = moe_router.RouterScratch.allocate(experts, "cuda")
-    for group_e in (1, 2, 4):
-        for warps in (2, 4, 8):
-            norm = moe_router.RouterNorm(residual, norm_w, 1e-5, torch.empty_like(x), torch.empty_like(x))
-            out = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, scratch=scratch, norm=norm, group_e=group_e,
-                                          num_warps=warps)
-            ok = torch.equal(out.topk_ids, want.topk_ids) and torch.allclose(norm.out.float(), h.float(), rtol=1e-2)
-            us = _time_us(lambda: moe_router.route_tokens(x, rw, rb, 4, 16, out=out, sort=False, scratch=scratch,
-                                                          norm=norm, group_e=group_e, num_warps=warps))
-            rows.append((f"router E={experts}: fused, group_e={group_e} warps={warps}", us, ok, (group_e, warps)))
+    # The defaults first; one token per program takes whole rows in one step (ONE_STEP).
+    variants = [(moe_router.GROUP_E, moe_router.NUM_WARPS, moe_router.TOKENS_PER_PROGRAM)]
+    if tokens == 1:
+        variants += [(g, w, 1) for g in (1, 2, 4) for w in (2, 4, 8)]
+    else:
+        variants += [(2, 8, 1), (2, 4, 1), (1, 4, 1), (4, 8, 1), (2, 8, 2)]
+    for group_e, warps, tpp in dict.fromkeys(variants):
+        norm = moe_router.RouterNorm(residual, norm_w, 1e-5, torch.empty_like(x), torch.empty_like(x))
+        kw = {"sort": False, "scratch": scratch, "norm": norm, "group_e": group_e, "num_warps": warps,
+              "tokens_per_program": tpp}
+        out = moe_router.route_tokens(x, rw, rb, 4, 16, **kw)
+        ok = torch.equal(out.topk_ids, want.topk_ids) and torch.allclose(norm.out.float(), h.float(), rtol=1e-2)
+        us = _time_us(lambda: moe_router.route_tokens(x, rw, rb, 4, 16, out=out, **kw))  # noqa: B023 (timed now)
+        rows.append((f"{head} fused, group_e={group_e} warps={warps} tokens/program={tpp}", us, ok,
+                     (group_e, warps, tpp)))
     return rows
 
 
@@ -77,8 +85,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    tokens = [int(t) for t in sys.argv[1:]] or [1]
     torch.manual_seed(0)
-    for label, us, ok, _ in _router_rows(32) + _router_rows(128) + _combine_rows():
+    rows = [r for t in tokens for e in (32, 128) for r in _router_rows(e, t)]
+    for label, us, ok, _ in rows + _combine_rows():
         print(f"{label:<62}{us:7.2f} us  {'ok' if ok else 'MISMATCH'}", flush=True)
     return 0
 

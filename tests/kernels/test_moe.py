@@ -941,9 +941,11 @@ def test_moe_block_matches_norm_moe_norm(device, tokens):
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs untouched
 
 
-# (4, 2500): several column steps; (12, 300): two token blocks, the second part-full.
-@pytest.mark.parametrize("tokens,hidden", [(1, 2880), (3, 300), (4, 2500), (12, 300)])
-def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
+# (4, 2500): several column steps; (12, 300): two token blocks, the second part-full; one token per
+# program: whole rows in one step, a program per token.
+@pytest.mark.parametrize("tokens,hidden,per_program", [(1, 2880, 8), (3, 300, 8), (4, 2500, 8), (12, 300, 8),
+                                                       (3, 2880, 1), (5, 300, 2)])
+def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden, per_program):
     # Each program writes its slice of the normalised rows and of x + residual: together, all of it,
     # equal to the rms_norm kernel; the routing equals routing the normed rows.
     experts = 32
@@ -952,7 +954,7 @@ def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden):
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
     norm = moe_router.RouterNorm(residual, weight, 1e-5, torch.full_like(x, float("nan")),
                                  torch.full_like(x, float("nan")))
-    got = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, norm=norm)
+    got = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, norm=norm, tokens_per_program=per_program)
     want_y, want_h = rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(norm.residual_out, want_h)
     assert_close(norm.out, want_y, 1e-6, "normed rows")

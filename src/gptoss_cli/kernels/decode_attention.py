@@ -26,6 +26,11 @@ from .kv_store import cache_geometry, load_kv_tile
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
+# From this many splits (choose_num_splits: about 8 rows or fewer on 132 SMs) a split takes as few
+# as 128 keys (decode_tiles).
+SPLIT_SPREAD = 8
+
+
 @dataclass(frozen=True)
 class DecodeTiles:
     """Launch shape of the split kernel: keys per tile, warps, pipeline depth, and the fewest keys
@@ -46,9 +51,15 @@ def decode_tiles(num_splits: int = 1) -> DecodeTiles:
     32 of 66 splits held keys at 32k, ~2 programs per SM). 2 warps were 0.6-1.0 us slower at 1k-32k
     and 1.3 us faster at 131k (session 19). The static split count is sized for the
     longest context, so a shorter row leaves splits idle instead of cutting its keys into
-    slivers. One split (large batches) keeps the measured 64-key tile."""
+    slivers. One split (large batches) keeps the measured 64-key tile.
+    Many splits (SPLIT_SPREAD): >= 128 keys per split, so a short row's keys spread over
+    several programs instead of one program's serial loop. H200 batch 1, the engine's 66 splits
+    (bench_attention --short-sweep, session 26): 256 / 1k / 4k keys 6.7 / 9.2 / 9.9 -> 5.3 / 5.6 /
+    6.8 us; 32k keys are >= 512 per split either way. At batch 64 (2 splits) 128 was no faster."""
     if is_interpreted():
         return DecodeTiles(block_n=32, num_warps=4, num_stages=1)
+    if num_splits >= SPLIT_SPREAD:
+        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=128)
     if num_splits > 1:
         return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=512)
     return DecodeTiles(block_n=64, num_warps=4, num_stages=3)

@@ -18,11 +18,12 @@ from .mxfp4 import VALUES_PER_BLOCK
 # 20b (bench_moe, session 13): at 32 rows per expert (T = 256) the 2-warp decode tiles take 384 us
 # per layer against 528 for the prefill tiles; at 16 (T = 128) both 265.
 DECODE_MAX_ROWS_PER_EXPERT = 32
-# Steps of up to this many tokens take the fused router (MoeConfig.fused_router). The launch takes
-# up to moe_router.MAX_TOKENS (64) since session 25, but 5-64 tokens are not measured in the engine
-# yet (predicted: 10.7 us of router GEMM, its reduce, the top-k and a norm launch per layer at 20b
-# batch 64 replaced by one launch; `ab_options.py --batch 64 --engine moe.fused_router=1` times it).
-FUSED_ROUTER_TOKENS = 4
+# Steps of at most this many tokens x experts take the fused router (MoeConfig.fused_router): one
+# program per token and 2 experts, so up to 256 programs. H200, bench_router (session 26, norm
+# included, against rms_norm + F.linear + top-k): 20b T=2 / 4 / 16: 5.1 / 4.5 / 5.5 us against
+# 9.8 / 10.3 / 10.8, T=64 16-21 against 11.1; 120b T=2 / 4: 5.4 / 6.3 against 12.5 / 11.9, T=16 14
+# against 12.2. The engine (profile_decode, session 26): docs/performance.md.
+FUSED_ROUTER_SLOTS = 512
 SCALE_UNPACKS = ("join", "gather", "shift", "frag")  # MoeConfig.scale_unpack / scale_unpack2
 
 
@@ -274,8 +275,8 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         # 56.7 -> 39.4).
         tiles = {"block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2, "maxnreg": 128,
                  "split_k": 2 if per_expert <= 1 else 1} | _decode_tile_changes(per_expert, num_experts, group)
-        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=num_tokens <= FUSED_ROUTER_TOKENS,
-                         **tiles)
+        fused_router = num_tokens * num_experts <= FUSED_ROUTER_SLOTS
+        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=fused_router, **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty

@@ -10,10 +10,11 @@ top-k/softmax of moe_routing over all experts and resets the counter for the nex
 next graph replay).
 
 From 2 tokens the programs also split the tokens, TOKENS_PER_PROGRAM each (a second grid
-dimension), so that no program streams more than a few rows of the activations; the last program
-to arrive takes the top-k of every token. (Above 4 tokens the router used to be cuBLAS's split-K
-GEMM, its reduce, the top-k kernel and a separate rms_norm launch: 10.7 us per layer at 20b batch
-64 on the H200, session 25.)
+dimension), so that each program's row is one load; the last program to arrive takes the top-k of
+every token. The launch count grows with tokens x experts, so larger steps (pick_config:
+moe_config.FUSED_ROUTER_SLOTS) keep cuBLAS's split-K GEMM, its reduce, the top-k kernel and a
+separate rms_norm launch (10.7 us per layer at 20b batch 64 on the H200, session 25), which reuse
+each weight row over the tokens.
 
 The MoE block's input norm can run here too (`RouterNorm`): every program needs the whole
 normalised rows of its tokens for its dot products anyway, and writes its slice of them and of
@@ -44,9 +45,12 @@ from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 # Above this many tokens the logits go through F.linear and moe_routing.route (there cuBLAS
 # reuses each weight row over the tokens; here every token is a row of a register tile). 64: the
 # engine's largest decode step (GpuEngineConfig.max_batch's default). pick_config decides where
-# the fused router runs (moe_config.FUSED_ROUTER_TOKENS).
+# the fused router runs (moe_config.FUSED_ROUTER_SLOTS).
 MAX_TOKENS = 64
-TOKENS_PER_PROGRAM = 8  # rows of the activations a program streams (twice, with the norm)
+# Rows of the activations a program streams. One: a program's whole row fits one step (ONE_STEP),
+# so its loads are one round trip; with 8 (session 25) each program looped over column steps,
+# twice with the norm, and took 7-9 us at 2-4 tokens against 4.5-5.1 (bench_router, session 26).
+TOKENS_PER_PROGRAM = 1
 GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
 NUM_WARPS = 8
 PRODUCT_ELEMS = 8192  # elements of one [tokens, experts, columns] product step
@@ -178,22 +182,23 @@ class RouterNorm:
     residual_out: torch.Tensor
 
 
-def token_blocks(num_tokens: int, num_experts: int) -> tuple[int, int]:
-    """(tokens per program, tokens per step of the last program's top-k) of a launch: the top-k
-    goes by the routing's own token blocks (one histogram row each), at most all tokens."""
+def token_blocks(num_tokens: int, num_experts: int, per_program: int = TOKENS_PER_PROGRAM) -> tuple[int, int]:
+    """(tokens per program, at most `per_program`, and tokens per step of the last program's
+    top-k) of a launch: the top-k goes by the routing's own token blocks (one histogram row
+    each), at most all tokens."""
     rows = triton.next_power_of_2(num_tokens)
-    return min(rows, TOKENS_PER_PROGRAM), min(rows, token_block(num_tokens, num_experts))
+    return min(rows, per_program), min(rows, token_block(num_tokens, num_experts))
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
                  out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
                  norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS,
-                 topk: bool = True) -> MoeRouting:
+                 topk: bool = True, tokens_per_program: int = TOKENS_PER_PROGRAM) -> MoeRouting:
     """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
     the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
     router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out.
-    `group_e` (experts per program, a power of two) and `num_warps` are launch choices
-    (benchmarks/bench_router.py sweeps them). topk=False: only the logits (scratch.logits, fp32,
+    `group_e` (experts per program, a power of two), `num_warps` and `tokens_per_program` (a
+    power of two) are launch choices (benchmarks/bench_router.py sweeps them). topk=False: only the logits (scratch.logits, fp32,
     rounded as F.linear's) and the norm; the routing's tensors are left for the next launch to
     fill (moe_gemv1_swiglu with `logits`), and `sort` must be False."""
     num_tokens, hidden = x.shape
@@ -222,7 +227,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
-    block_t, block_ta = token_blocks(num_tokens, num_experts)
+    block_t, block_ta = token_blocks(num_tokens, num_experts, tokens_per_program)
     block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
     _router_split_kernel[(triton.cdiv(num_experts, group_e), triton.cdiv(num_tokens, block_t))](
