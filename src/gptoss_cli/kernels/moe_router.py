@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import is_interpreted
 from .moe_routing import (
     MoeRouting,
     _topk_softmax_store,
@@ -51,6 +52,9 @@ MAX_TOKENS = 64
 # so its loads are one round trip; with 8 (session 25) each program looped over column steps,
 # twice with the norm, and took 7-9 us at 2-4 tokens against 4.5-5.1 (bench_router, session 26).
 TOKENS_PER_PROGRAM = 1
+# The interpreter runs programs one after another at a fixed cost each: 8 tokens per program keep
+# the CPU engine's steps (random:tiny routes up to 64 tokens here) at a few programs per layer.
+INTERPRETED_TOKENS_PER_PROGRAM = 8
 GROUP_E = 2  # experts per program: 16 programs for 20b, 64 for 120b
 NUM_WARPS = 8
 PRODUCT_ELEMS = 8192  # elements of one [tokens, experts, columns] product step
@@ -193,14 +197,16 @@ def token_blocks(num_tokens: int, num_experts: int, per_program: int = TOKENS_PE
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
                  out: MoeRouting | None = None, sort: bool = True, scratch: RouterScratch | None = None,
                  norm: RouterNorm | None = None, group_e: int = GROUP_E, num_warps: int = NUM_WARPS,
-                 topk: bool = True, tokens_per_program: int = TOKENS_PER_PROGRAM) -> MoeRouting:
+                 topk: bool = True, tokens_per_program: int | None = None) -> MoeRouting:
     """x [T, C] -> moe_routing.route(router_logits(x, weight, bias), top_k, block_m, out, sort), with
     the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
     router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out.
     `group_e` (experts per program, a power of two), `num_warps` and `tokens_per_program` (a
-    power of two) are launch choices (benchmarks/bench_router.py sweeps them). topk=False: only the logits (scratch.logits, fp32,
-    rounded as F.linear's) and the norm; the routing's tensors are left for the next launch to
-    fill (moe_gemv1_swiglu with `logits`), and `sort` must be False."""
+    power of two; default TOKENS_PER_PROGRAM, INTERPRETED_TOKENS_PER_PROGRAM under the
+    interpreter) are launch choices (benchmarks/bench_router.py sweeps them). topk=False: only
+    the logits (scratch.logits, fp32, rounded as F.linear's) and the norm; the routing's tensors
+    are left for the next launch to fill (moe_gemv1_swiglu with `logits`), and `sort` must be
+    False."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > MAX_TOKENS:
@@ -227,6 +233,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
+    if tokens_per_program is None:
+        tokens_per_program = INTERPRETED_TOKENS_PER_PROGRAM if is_interpreted() else TOKENS_PER_PROGRAM
     block_t, block_ta = token_blocks(num_tokens, num_experts, tokens_per_program)
     block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
