@@ -638,6 +638,9 @@ def test_pick_config_regimes():
     assert pick_config(64, 32, 4, frag_scales=True) == pick_config(64, 32, 4)
     with pytest.raises(ValueError, match="scale_unpack"):
         dataclasses.replace(big, scale_unpack="bytes")
+    # The fused router up to 512 tokens x experts (FUSED_ROUTER_SLOTS): 20b 16 tokens, 120b 4
+    assert [t for t in range(1, 65) if pick_config(t, 32, 4).fused_router] == list(range(1, 17))
+    assert [t for t in range(1, 65) if pick_config(t, 128, 4).fused_router] == list(range(1, 5))
     with pytest.raises(ValueError, match="scale_unpack2"):
         dataclasses.replace(big, scale_unpack2="bytes")
     with pytest.raises(ValueError, match="gemm2 K step of 64"):
