@@ -341,10 +341,10 @@ def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = Tru
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "logits_ptr": "*fp32", "arrivals_ptr": "*i32",
                 "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
                 "y_ptr": "*bf16", "h_ptr": "*bf16"}
-    block_t, block_ta = mr.token_blocks(tokens, experts)
+    block_t, block_ta, block_c = mr.launch_blocks(tokens, experts, 2880)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
-                  "BLOCK_C": min(4096, mr.PRODUCT_ELEMS // (block_t * mr.GROUP_E)), "NORM": norm,
-                  "ONE_STEP": block_t == 1, "PDL": True, "TOPK": topk, "BLOCK_TA": block_ta}
+                  "BLOCK_C": block_c, "NORM": norm, "ONE_STEP": block_c >= 2880, "PDL": True, "TOPK": topk,
+                  "BLOCK_TA": block_ta}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
@@ -380,7 +380,7 @@ CASES = {
     "router-topk-norm-1-token": lambda: _router_topk(1, 32, norm=True),
     "router-topk-norm-4-tokens": lambda: _router_topk(4, 32, norm=True),
     "router-logits-norm-1-token": lambda: _router_topk(1, 32, norm=True, topk=False),
-    "router-topk-norm-64-tokens": lambda: _router_topk(64, 32, norm=True),  # batch 64: 8 token blocks
+    "router-topk-norm-64-tokens": lambda: _router_topk(64, 32, norm=True),  # batch 64: a program per token
     "router-topk-norm-64-tokens-128-experts": lambda: _router_topk(64, 128, norm=True),
     "combine-norm-1-token": _combine_norm,
     "rope-store-kv": _rope_store,

@@ -58,10 +58,8 @@ def decode_tiles(num_splits: int = 1) -> DecodeTiles:
     6.8 us; 32k keys are >= 512 per split either way. At batch 64 (2 splits) 128 was no faster."""
     if is_interpreted():
         return DecodeTiles(block_n=32, num_warps=4, num_stages=1)
-    if num_splits >= SPLIT_SPREAD:
-        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=128)
     if num_splits > 1:
-        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=512)
+        return DecodeTiles(block_n=128, num_warps=4, num_stages=3, min_chunk=128 if num_splits >= SPLIT_SPREAD else 512)
     return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
 
 

@@ -186,12 +186,19 @@ class RouterNorm:
     residual_out: torch.Tensor
 
 
-def token_blocks(num_tokens: int, num_experts: int, per_program: int = TOKENS_PER_PROGRAM) -> tuple[int, int]:
-    """(tokens per program, at most `per_program`, and tokens per step of the last program's
-    top-k) of a launch: the top-k goes by the routing's own token blocks (one histogram row
-    each), at most all tokens."""
+def launch_blocks(num_tokens: int, num_experts: int, hidden: int, group_e: int = GROUP_E,
+                  per_program: int | None = None) -> tuple[int, int, int]:
+    """(tokens per program, tokens per step of the last program's top-k, columns per product step)
+    of a launch. Tokens per program: at most `per_program` (default TOKENS_PER_PROGRAM,
+    INTERPRETED_TOKENS_PER_PROGRAM under the interpreter); the top-k goes by the routing's own
+    token blocks (one histogram row each), at most all tokens. The launch takes its one-load path
+    (ONE_STEP) when the column step covers `hidden`."""
+    if per_program is None:
+        per_program = INTERPRETED_TOKENS_PER_PROGRAM if is_interpreted() else TOKENS_PER_PROGRAM
     rows = triton.next_power_of_2(num_tokens)
-    return min(rows, per_program), min(rows, token_block(num_tokens, num_experts))
+    block_t = min(rows, per_program)
+    block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
+    return block_t, min(rows, token_block(num_tokens, num_experts)), block_c
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
@@ -202,8 +209,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     the logits computed across programs of the top-k launch (T <= MAX_TOKENS). With `norm`, the
     router input is rms_norm(x, norm.weight, norm.eps, norm.residual), also written to norm.out.
     `group_e` (experts per program, a power of two), `num_warps` and `tokens_per_program` (a
-    power of two; default TOKENS_PER_PROGRAM, INTERPRETED_TOKENS_PER_PROGRAM under the
-    interpreter) are launch choices (benchmarks/bench_router.py sweeps them). topk=False: only
+    power of two; default: launch_blocks') are launch choices (benchmarks/bench_router.py sweeps
+    them). topk=False: only
     the logits (scratch.logits, fp32, rounded as F.linear's) and the norm; the routing's tensors
     are left for the next launch to fill (moe_gemv1_swiglu with `logits`), and `sort` must be
     False."""
@@ -233,10 +240,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"router scratch is for {scratch.logits.shape[1]} experts on {scratch.logits.device}")
     if num_tokens == 0:
         return out
-    if tokens_per_program is None:
-        tokens_per_program = INTERPRETED_TOKENS_PER_PROGRAM if is_interpreted() else TOKENS_PER_PROGRAM
-    block_t, block_ta = token_blocks(num_tokens, num_experts, tokens_per_program)
-    block_c = min(triton.next_power_of_2(hidden), PRODUCT_ELEMS // (block_t * group_e))
+    block_t, block_ta, block_c = launch_blocks(num_tokens, num_experts, hidden, group_e, tokens_per_program)
     n = norm or RouterNorm(x, bias, 0.0, x, x)  # placeholders: NORM=False reads none of them
     _router_split_kernel[(triton.cdiv(num_experts, group_e), triton.cdiv(num_tokens, block_t))](
         x, x.stride(0), weight, weight.stride(0), bias, scratch.logits, scratch.arrivals, out.topk_weights,
