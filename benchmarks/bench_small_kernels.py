@@ -3,7 +3,8 @@
 Cases: rms_norm (with the residual add) at T = 1, 64, 4096 and C = 2880; rope on q and k of the
 fused qkv output at T = 1, 64, 4096; sample at B = 1, 64, 256 and V = 201088 for greedy,
 temperature-only and top-p = 0.9 rows; the batch-1 qkv and o projections in each form torch
-offers (cuBLAS chooses differently per form). The logits are bf16 and shaped like a language model's
+offers (cuBLAS chooses differently per form); the few-token projections (T = 2-64) in cuBLAS and in
+kernels.skinny_linear at several tiles. The logits are bf16 and shaped like a language model's
 (a few strong tokens well above a broad tail), where a top-p row's threshold search runs on its
 small window; "top-p=0.9 flat" rows have no strong tokens, so their window overflows and the
 search re-reads the whole row (the slow path). For each case it prints the median time, the
@@ -45,9 +46,10 @@ class Sizes:
     rope_tokens: tuple[int, ...] = (1, 64, 4096)
     sample_batches: tuple[int, ...] = (1, 64, 256)
     vocab: int = VOCAB
+    skinny_tokens: tuple[int, ...] = (2, 8, 16, 32, 64)
 
 
-SMOKE_SIZES = Sizes(norm_tokens=(1, 3), rope_tokens=(1, 3), sample_batches=(1, 2), vocab=3001)
+SMOKE_SIZES = Sizes(norm_tokens=(1, 3), rope_tokens=(1, 3), sample_batches=(1, 2), vocab=3001, skinny_tokens=(3,))
 
 
 @dataclass
@@ -194,13 +196,59 @@ def _projection_cases(device: str) -> list[Case]:
             for name, (n, k) in PROJECTIONS.items() for label, form in forms.items()]
 
 
+# Few-token projections (decode steps of 2-64 tokens): cuBLAS (qkv then the rope launch that stores
+# K/V, as the engine ran them before kernels.skinny_linear) against the skinny kernels at a few
+# tiles (rows per program, K step, pipeline stages, warps).
+SKINNY_TILES = [(32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4),
+                (32, 128, 6, 4), (16, 256, 4, 2)]
+
+
+def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
+    from gptoss_cli.kernels import apply_rope_qkv, qkv_rope_store_tokens, skinny_linear
+    from gptoss_cli.kernels.skinny_linear import SkinnyTiles
+
+    blocks = 64
+
+    def make(t, which, tiles):
+        n, k = PROJECTIONS[which]
+
+        def build(_copy):
+            x = torch.randn(t, k, device=device).bfloat16()
+            w = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
+            b = torch.randn(n, device=device).bfloat16()
+            if which == "o":
+                return (lambda: torch.addmm(b, x, w.T)) if tiles is None else (lambda: skinny_linear(x, w, b, tiles=tiles))
+            pos = torch.arange(t, device=device)
+            cos, sin = torch.randn(4096, HEAD_DIM // 2, device=device), torch.randn(4096, HEAD_DIM // 2, device=device)
+            kc, vc = (torch.zeros(blocks, 64, KV_HEADS, HEAD_DIM, device=device).bfloat16() for _ in range(2))
+            slots = torch.arange(t, device=device) * 3
+            heads = (HEADS, KV_HEADS, HEAD_DIM)
+            if tiles is None:
+                def unfused():
+                    qkv = torch.addmm(b, x, w.T)
+                    apply_rope_qkv(qkv, pos, cos, sin, *heads, (kc, vc, slots))
+                return unfused
+            return lambda: qkv_rope_store_tokens(x, w, b, pos, cos, sin, *heads, kc, vc, slots, tiles=tiles)
+        return build
+
+    cases = []
+    for t in sizes.skinny_tokens:
+        for which, (n, k) in PROJECTIONS.items():
+            nbytes = 2 * (n * k + n + t * k + t * n)
+            forms = {"cuBLAS" + (" + rope" if which == "qkv" else ""): None}
+            forms |= {f"skinny n{bn} k{bk} s{st} w{nw}": SkinnyTiles(bn, bk, st, nw) for bn, bk, st, nw in SKINNY_TILES}
+            cases += [Case("skinny", f"T={t} {which} {label}", nbytes, make(t, which, tiles))
+                      for label, tiles in forms.items()]
+    return cases
+
+
 def bench(device: str = "cuda", sizes: Sizes = Sizes(), only: str | None = None) -> list[dict]:
     """Time every case (or only those of one kernel); one dict per case with kernel, case, ms, bytes,
     tbps, peak_fraction."""
     timer = _time_gpu if device == "cuda" else _time_cpu
     results = []
     cases = (_rms_norm_cases(sizes, device) + _rope_cases(sizes, device) + _sample_cases(sizes, device)
-             + _projection_cases(device))
+             + _projection_cases(device) + _skinny_cases(sizes, device))
     for case in (c for c in cases if only is None or c.kernel == only):
         calls = [case.make(i) for i in range(_copies(case.nbytes, device))]
         ms = timer(calls)
@@ -225,7 +273,7 @@ def _print_table(results: list[dict], device: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    parser.add_argument("--only", choices=["rms_norm", "rope", "sample", "linear"], help="one kernel's cases")
+    parser.add_argument("--only", choices=["rms_norm", "rope", "sample", "linear", "skinny"], help="one kernel's cases")
     args = parser.parse_args(argv)
     if args.smoke:
         # Must be set before any kernel module is imported (the kernels are decorated at import).

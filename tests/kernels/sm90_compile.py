@@ -335,6 +335,31 @@ def _qkv_rope():
     _no_spills(kernel, "the fused qkv + rope")
 
 
+def _skinny(which: str, num_tokens: int):
+    """The few-token projections at the default tiles: the K loop must stream W through cp.async
+    (LDGSTS, Triton's pipeliner) into tensor-core products (HMMA, or HGMMA at 64-row tiles), with
+    nothing spilled."""
+    import triton.language as tl
+
+    from gptoss_cli.kernels import qkv_rope, skinny_linear as sl
+
+    tiles, block_t = sl.SkinnyTiles(), sl.token_block(num_tokens)
+    pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "kc_ptr", "vc_ptr")}
+    pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
+    common = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "DOT": tl.bfloat16, "PDL": True}
+    if which == "linear":
+        kernel = compile_sm90(sl._skinny_linear_kernel, pointers, common | {"BLOCK_N": tiles.block_n},
+                              tiles.num_warps, tiles.num_stages)
+    else:
+        kernel = compile_sm90(qkv_rope._qkv_rope_tokens_kernel, pointers, common | {
+            "H": 64, "HKV": 8, "HEAD_DIM": 64, "PAIRS": tiles.block_n // 2, "BLOCK_SIZE": 64},
+            tiles.num_warps, tiles.num_stages)
+    _no_spills(kernel, f"skinny {which}")
+    loop = _loop_body(sass(kernel))
+    if "LDGSTS" not in loop or not ("HMMA" in loop or "HGMMA" in loop):
+        raise RuntimeError(f"skinny {which}: the K loop lacks cp.async (LDGSTS) or tensor-core products")
+
+
 def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = True):
     from gptoss_cli.kernels import moe_router as mr
 
@@ -387,6 +412,9 @@ CASES = {
     "row-linear-2x4": lambda: _row_linear(2, 4),
     "qkv-rope-store": _qkv_rope,
     "row-linear-4x8": lambda: _row_linear(4, 8),
+    "skinny-linear-4-tokens": lambda: _skinny("linear", 4),
+    "skinny-linear-64-tokens": lambda: _skinny("linear", 64),
+    "skinny-qkv-rope-16-tokens": lambda: _skinny("qkv", 16),
     "gemv1-f16": lambda: _gemv("gemv1", 16, 512, f16=True),
     "gemv1-f16-topk-32-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=32),
     "gemv1-f16-topk-128-experts": lambda: _gemv("gemv1", 16, 512, f16=True, experts=128),

@@ -1,4 +1,6 @@
-"""The batch-1 decode qkv projection with RoPE and the K/V cache write in its epilogue (one launch).
+"""The decode qkv projection with RoPE and the K/V cache write in its epilogue (one launch): one
+token (`qkv_rope_store`, on row_linear's tile) and 2 to 64 tokens (`qkv_rope_store_tokens`, on
+skinny_linear's K loop).
 
 Unfused, one decode token costs two launches per layer: linear.row_linear (qkv = x @ W^T + b) and
 rope.apply_rope_qkv (rotate q and k, store k and v in the paged cache). The second moves almost no
@@ -27,9 +29,11 @@ import triton.language as tl
 
 from .interpreter import is_interpreted
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
+from .interpreter import dot_dtype
 from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rope import _check_rope_args, qkv_views
+from .skinny_linear import MIN_BLOCK, SkinnyTiles, check_skinny_args, default_tiles, skinny_dot, token_block
 
 
 @triton.jit
@@ -89,7 +93,8 @@ def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, h
     rows = (num_heads + 2 * num_kv_heads) * head_dim
     if weight.shape[0] != rows:
         raise ValueError(f"weight must have (H + 2 Hkv) * D = {rows} rows, got {weight.shape[0]}")
-    out = check_row_args(x, weight, bias, out, "the fused qkv projection")
+    check = check_skinny_args if x.shape[0] > 1 else check_row_args
+    out = check(x, weight, bias, out, "the fused qkv projection")
     q, k, v = qkv_views(out, num_heads, num_kv_heads, head_dim)  # what the two unfused launches would see
     _check_rope_args(q, k, positions, cos, sin)
     if cache_geometry(k_cache, v_cache)[1:] != (num_kv_heads, head_dim):
@@ -125,5 +130,105 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, po
         k_cache, v_cache, slots, *k_cache.stride()[:3],
         H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, BLOCK_K=triton.next_power_of_2(k),
         BLOCK_SIZE=block_size, num_warps=NUM_WARPS, **pdl_launch(pdl_enabled(x)),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _store_cache_tile(c_ptr, slots, kv_head, dims, values, mask, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE: tl.constexpr):
+    """values [dims x tokens] of one KV head into the tokens' cache slots (slot -1: nothing)."""
+    slots = slots.to(tl.int64)
+    base = (slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    tl.store(c_ptr + base[None, :] + dims[:, None], values.to(c_ptr.dtype.element_ty),
+             mask=mask & (slots >= 0)[None, :])
+
+
+@triton.jit
+def _qkv_rope_tokens_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, k, stride_xt, stride_wn, stride_ot,
+    pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
+    kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
+    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
+    head = tl.program_id(0) // PROGRAMS_PER_HEAD
+    first = (tl.program_id(0) % PROGRAMS_PER_HEAD) * PAIRS
+    i = first + tl.arange(0, PAIRS)
+    # The tile's rows: the PAIRS first halves of the rotation pairs, then their second halves.
+    r = tl.arange(0, 2 * PAIRS)
+    rows = head * HEAD_DIM + first + r % PAIRS + (r // PAIRS) * HALF
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < num_tokens
+    bias = tl.load(b_ptr + rows)
+    wait_for_previous(PDL)
+    pos = tl.load(pos_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    slots = tl.load(slot_ptr + tokens, mask=token_ok, other=-1)
+    live = (pos >= 0) & (pos < num_positions) & (head < H + HKV)  # V heads are not rotated
+    pos = tl.where(live, pos, 0)
+    c = tl.load(cos_ptr + pos[None, :] * stride_cs + i[:, None])
+    s = tl.load(sin_ptr + pos[None, :] * stride_cs + i[:, None])
+    acc = skinny_dot(x_ptr, stride_xt, w_ptr, stride_wn, rows, tl.minimum(tokens, num_tokens - 1), k, BLOCK_K, DOT)
+    y = (acc + bias.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty)  # what the unfused rope reads
+    y1, y2 = tl.split(tl.permute(tl.reshape(y, (2, PAIRS, BLOCK_T)), (1, 2, 0)))
+    a = y1.to(tl.float32)
+    b = y2.to(tl.float32)
+    y1 = tl.where(live[None, :], (a * c - b * s).to(y.dtype), y1)
+    y2 = tl.where(live[None, :], (b * c + a * s).to(y.dtype), y2)
+    mask = token_ok[None, :]
+    dst = out_ptr + tokens.to(tl.int64)[None, :] * stride_ot + (head * HEAD_DIM + i)[:, None]
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + HALF, y2, mask=mask)
+    is_k = (head >= H) & (head < H + HKV)
+    is_v = head >= H + HKV
+    _store_cache_tile(kc_ptr, slots, head - H, i, y1, mask & is_k, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE)
+    _store_cache_tile(kc_ptr, slots, head - H, i + HALF, y2, mask & is_k, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE)
+    _store_cache_tile(vc_ptr, slots, head - H - HKV, i, y1, mask & is_v, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE)
+    _store_cache_tile(vc_ptr, slots, head - H - HKV, i + HALF, y2, mask & is_v, stride_cb, stride_co, stride_ch,
+                      BLOCK_SIZE)
+
+
+def supports_qkv_rope_tokens(head_dim: int) -> bool:
+    """Whether `qkv_rope_store_tokens` takes heads of head_dim: its tiles hold >= 8 rotation pairs
+    (tl.dot's 16 rows), so D/2 must be a multiple of 8."""
+    return head_dim % 2 == 0 and (head_dim // 2) % (MIN_BLOCK // 2) == 0
+
+
+def _tile_pairs(half: int, tiles: SkinnyTiles) -> int:
+    """Rotation pairs per program: half the tile's rows, at most a head's D/2 and a divisor of it."""
+    pairs = min(max(tiles.block_n // 2, MIN_BLOCK // 2), half)
+    while half % pairs:
+        pairs //= 2
+    return pairs
+
+
+def qkv_rope_store_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          out: torch.Tensor | None = None, tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """Decode tokens x [T, K], T <= 64: qkv = skinny_linear(x, weight, bias) -> [T, (H + 2 Hkv) D] in
+    x.dtype, then apply_rope_qkv(qkv, positions, cos, sin, H, Hkv, D, (k_cache, v_cache, slots)), in
+    one launch. D/2 must be a multiple of 8 (`supports_qkv_rope_tokens`)."""
+    if not supports_qkv_rope_tokens(head_dim):
+        raise ValueError(f"the few-token qkv projection needs D/2 a multiple of 8, got D = {head_dim}")
+    out = _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                      slots, out)
+    tiles = tiles or default_tiles()
+    (t, k), n = x.shape, weight.shape[0]
+    pairs = _tile_pairs(head_dim // 2, tiles)
+    block_t = token_block(t)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qkv_rope_tokens_kernel[(n // (2 * pairs), triton.cdiv(t, block_t))](
+        x, weight, bias, out, t, k, x.stride(0), weight.stride(0), out.stride(0),
+        positions, cos, sin, cos.shape[0], cos.stride(0),
+        k_cache, v_cache, slots, *k_cache.stride()[:3],
+        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, BLOCK_T=block_t, BLOCK_K=tiles.block_k,
+        BLOCK_SIZE=k_cache.shape[1], DOT=dot_dtype(x.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.moe_matmul import ROW_GROUP
+from ...kernels.skinny_linear import MAX_TOKENS as SKINNY_MAX_TOKENS
 from ..api import Engine, RequestOutput, RequestTimings, SamplingParams, TokenEvent, record_token
 from ..checkpoint import ModelWeights
 from ..errors import RequestError
@@ -47,6 +48,10 @@ class GpuEngineConfig:
     # cache (kernels.qkv_rope), one launch less per layer. H200, 20b batch 1: 539 -> 552 tok/s
     # (docs/performance.md, session 11).
     fused_qkv_rope: bool = True
+    # Steps of 2 to this many tokens (at most kernels.skinny_linear.MAX_TOKENS) project qkv and o in
+    # kernels.skinny_linear instead of cuBLAS (decode qkv with RoPE and the K/V store fused, as
+    # fused_qkv_rope says); 0: cuBLAS.
+    skinny_tokens: int = 16
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
@@ -67,6 +72,8 @@ class GpuEngineConfig:
             raise ValueError("block_size must be a power of two in 16..256")
         if not 0.1 <= self.memory_fraction <= 0.99:
             raise ValueError("memory_fraction must be in [0.1, 0.99]")
+        if not 0 <= self.skinny_tokens <= SKINNY_MAX_TOKENS:
+            raise ValueError(f"skinny_tokens must be in 0..{SKINNY_MAX_TOKENS}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be bfloat16 or float32")
 
@@ -89,7 +96,7 @@ class GpuEngine(Engine):
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
         on_cuda = torch.device(device).type == "cuda"
         model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
-                         opts.fused_qkv_rope)
+                         opts.fused_qkv_rope, opts.skinny_tokens)
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

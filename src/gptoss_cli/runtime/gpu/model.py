@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
-                        prefill_attention, qkv_rope_store, rms_norm, rope_cos_sin, row_linear, supports_row_linear)
+                        prefill_attention, qkv_rope_store, qkv_rope_store_tokens, rms_norm, rope_cos_sin, row_linear,
+                        skinny_linear, supports_qkv_rope_tokens, supports_row_linear, supports_skinny_linear)
 from .kv_cache import KvCache
 from .weights import GpuWeights, LayerWeights
 
@@ -39,11 +40,13 @@ class ForwardBatch:
 
 class GpuModel:
     def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
-                 use_row_linear: bool = True, fused_qkv_rope: bool = False):
+                 use_row_linear: bool = True, fused_qkv_rope: bool = False, skinny_tokens: int = 0):
         self.w = weights
         self.use_row_linear = use_row_linear
         self.fused_qkv_rope = use_row_linear and fused_qkv_rope
         self.cfg = cfg = weights.config
+        self.skinny_tokens = skinny_tokens
+        self.skinny_qkv_rope = fused_qkv_rope and supports_qkv_rope_tokens(cfg.head_dim)
         self.kv = kv
         device = weights.embed.device
         self.cos, self.sin = rope_cos_sin(cfg, max_positions, device)
@@ -81,6 +84,9 @@ class GpuModel:
         heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         if b.decode and self.fused_qkv_rope and supports_row_linear(h, layer.qkv_w):
             qkv = qkv_rope_store(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc, slots)
+        elif b.decode and self.skinny_qkv_rope and supports_skinny_linear(h, self.skinny_tokens):
+            qkv = qkv_rope_store_tokens(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc,
+                                        slots)
         else:
             qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
             # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
@@ -102,4 +108,6 @@ class GpuModel:
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.use_row_linear and supports_row_linear(x, w):
             return row_linear(x, w, b)
+        if supports_skinny_linear(x, self.skinny_tokens):
+            return skinny_linear(x, w, b)
         return torch.addmm(b, x, w.T)
