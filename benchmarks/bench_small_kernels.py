@@ -198,13 +198,13 @@ def _projection_cases(device: str) -> list[Case]:
 
 # Few-token projections (decode steps of 2-64 tokens): cuBLAS (qkv then the rope launch that stores
 # K/V, as the engine ran them before kernels.skinny_linear) against the skinny kernels at a few
-# tiles (rows per program, K step, pipeline stages, warps).
-SKINNY_TILES = [(32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4),
-                (32, 128, 6, 4), (16, 256, 4, 2)]
+# tiles (rows per program, K step, pipeline stages, warps, K splits; 0: ~2 programs per SM).
+SKINNY_TILES = [(64, 128, 4, 4, 0), (64, 128, 4, 4, 1), (32, 128, 4, 4, 0), (64, 256, 3, 4, 0), (64, 128, 6, 4, 0),
+                (64, 64, 6, 4, 0), (128, 128, 3, 8, 0), (32, 128, 6, 4, 0)]
 
 
 def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
-    from gptoss_cli.kernels import apply_rope_qkv, qkv_rope_store_tokens, skinny_linear
+    from gptoss_cli.kernels import SkinnyScratch, apply_rope_qkv, qkv_rope_store_tokens, skinny_linear
     from gptoss_cli.kernels.skinny_linear import SkinnyTiles
 
     blocks = 64
@@ -216,8 +216,11 @@ def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
             x = torch.randn(t, k, device=device).bfloat16()
             w = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
             b = torch.randn(n, device=device).bfloat16()
+            scratch = SkinnyScratch.for_shapes([(n, k)], device, tiles) if tiles is not None else None
             if which == "o":
-                return (lambda: torch.addmm(b, x, w.T)) if tiles is None else (lambda: skinny_linear(x, w, b, tiles=tiles))
+                if tiles is None:
+                    return lambda: torch.addmm(b, x, w.T)
+                return lambda: skinny_linear(x, w, b, tiles=tiles, scratch=scratch)
             pos = torch.arange(t, device=device)
             cos, sin = torch.randn(4096, HEAD_DIM // 2, device=device), torch.randn(4096, HEAD_DIM // 2, device=device)
             kc, vc = (torch.zeros(blocks, 64, KV_HEADS, HEAD_DIM, device=device).bfloat16() for _ in range(2))
@@ -228,7 +231,8 @@ def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
                     qkv = torch.addmm(b, x, w.T)
                     apply_rope_qkv(qkv, pos, cos, sin, *heads, (kc, vc, slots))
                 return unfused
-            return lambda: qkv_rope_store_tokens(x, w, b, pos, cos, sin, *heads, kc, vc, slots, tiles=tiles)
+            return lambda: qkv_rope_store_tokens(x, w, b, pos, cos, sin, *heads, kc, vc, slots, tiles=tiles,
+                                                 scratch=scratch)
         return build
 
     cases = []
@@ -236,7 +240,8 @@ def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
         for which, (n, k) in PROJECTIONS.items():
             nbytes = 2 * (n * k + n + t * k + t * n)
             forms = {"cuBLAS" + (" + rope" if which == "qkv" else ""): None}
-            forms |= {f"skinny n{bn} k{bk} s{st} w{nw}": SkinnyTiles(bn, bk, st, nw) for bn, bk, st, nw in SKINNY_TILES}
+            forms |= {f"skinny n{bn} k{bk} s{st} w{nw} x{sp}": SkinnyTiles(bn, bk, st, nw, sp)
+                      for bn, bk, st, nw, sp in SKINNY_TILES}
             cases += [Case("skinny", f"T={t} {which} {label}", nbytes, make(t, which, tiles))
                       for label, tiles in forms.items()]
     return cases

@@ -32,10 +32,11 @@ FAMILIES = [
     ("prefill attention", r"_prefill|_attn_fwd"),
     ("kv store", r"_kv_store"),
     ("rms norm", r"rms"),
-    ("qkv gemv + rope + kv store", r"_qkv_rope"),
+    ("qkv Triton+rope+store", r"_qkv_rope"),
     ("rope", r"rope"),
     ("sampling", r"sampl|_gumbel|_argmax|_top"),
     ("dense gemv (Triton)", r"_row_linear"),
+    ("dense skinny (Triton)", r"_skinny_linear"),
     ("dense gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|cublas|nvjet"),
     ("other", r""),
 ]

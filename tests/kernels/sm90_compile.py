@@ -15,7 +15,7 @@ import tempfile
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
-DIV16_ARGS = {"hidden", "inter", "n", "k"}
+DIV16_ARGS = {"hidden", "inter", "n", "k", "k_per_split"}
 
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
@@ -339,20 +339,25 @@ def _skinny(which: str, num_tokens: int):
     """The few-token projections at the default tiles: the K loop must stream W through cp.async
     (LDGSTS, Triton's pipeliner) into tensor-core products (HMMA, or HGMMA at 64-row tiles), with
     nothing spilled."""
+    import importlib
+
     import triton.language as tl
 
-    from gptoss_cli.kernels import qkv_rope, skinny_linear as sl
+    from gptoss_cli.kernels import qkv_rope
+
+    sl = importlib.import_module("gptoss_cli.kernels.skinny_linear")  # the package exports a function of that name
 
     tiles, block_t = sl.SkinnyTiles(), sl.token_block(num_tokens)
     pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "kc_ptr", "vc_ptr")}
-    pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
-    common = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "DOT": tl.bfloat16, "PDL": True}
+    pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "part_ptr": "*fp32",
+                 "count_ptr": "*i32"}
+    common = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "SPLITS": 3, "DOT": tl.bfloat16, "PDL": True}
     if which == "linear":
         kernel = compile_sm90(sl._skinny_linear_kernel, pointers, common | {"BLOCK_N": tiles.block_n},
                               tiles.num_warps, tiles.num_stages)
     else:
         kernel = compile_sm90(qkv_rope._qkv_rope_tokens_kernel, pointers, common | {
-            "H": 64, "HKV": 8, "HEAD_DIM": 64, "PAIRS": tiles.block_n // 2, "BLOCK_SIZE": 64},
+            "H": 64, "HKV": 8, "HEAD_DIM": 64, "PAIRS": min(tiles.block_n // 2, 32), "BLOCK_SIZE": 64},
             tiles.num_warps, tiles.num_stages)
     _no_spills(kernel, f"skinny {which}")
     loop = _loop_body(sass(kernel))

@@ -11,14 +11,22 @@ from gptoss_cli.kernels.kv_store import kv_store_ref
 from gptoss_cli.kernels.linear import linear_ref
 from gptoss_cli.kernels.qkv_rope import qkv_rope_store_tokens, supports_qkv_rope_tokens
 from gptoss_cli.kernels.rope import apply_rope_qkv, apply_rope_ref, qkv_views, rope_cos_sin
-from gptoss_cli.kernels.skinny_linear import SkinnyTiles, skinny_linear, supports_skinny_linear
+from gptoss_cli.kernels.skinny_linear import (
+    SkinnyScratch,
+    SkinnyTiles,
+    skinny_linear,
+    split_plan,
+    supports_skinny_linear,
+)
 from gptoss_cli.runtime.config import ModelConfig
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BLOCK_SIZE, NUM_BLOCKS = 16, 8
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
-# Row tile, K step: the GPU defaults' shape and smaller ones that put odd sizes on tile edges.
-TILES = [None, SkinnyTiles(block_n=16, block_k=32, num_stages=2), SkinnyTiles(block_n=32, block_k=64)]
+# The defaults (split K on both the interpreter and a GPU), one split, and three splits of a
+# smaller row tile, which put odd sizes on tile edges and ragged last splits.
+TILES = [None, SkinnyTiles(block_n=16, block_k=32, num_stages=2, splits=1),
+         SkinnyTiles(block_n=32, block_k=32, splits=3)]
 
 
 def _operands(device, t, n, k, dtype):
@@ -36,6 +44,29 @@ def test_skinny_linear_matches_linear(device, dtype, t, n, k, tiles):
     got = skinny_linear(x, w, b, tiles=tiles)
     assert got.dtype == dtype and got.shape == (t, n)
     assert_close(got.float(), linear_ref(x.float(), w.float(), b.float()), TOL[dtype], "skinny_linear")
+
+
+def test_split_plan_covers_k_evenly():
+    cpu = torch.device("cpu")
+    for k, splits, block_k in [(2880, 3, 128), (4096, 6, 128), (100, 3, 32), (64, 8, 32)]:
+        got, per = split_plan(k, 10, SkinnyTiles(block_k=block_k, splits=splits), cpu)
+        assert per % block_k == 0 and (got - 1) * per < k <= got * per and got <= splits
+
+
+def test_shared_scratch_across_launches(device):
+    """One scratch for many launches of different shapes: every row tile's counter is back at zero
+    after each launch, so the next launch's last program is found again."""
+    tiles = SkinnyTiles(block_n=16, block_k=32, splits=3)
+    shapes = [(48, 96), (80, 64), (16, 200)]
+    scratch = SkinnyScratch.for_shapes(shapes, device, tiles)
+    for _ in range(2):
+        for n, k in shapes:
+            x, w, b = _operands(device, 5, n, k, torch.float32)
+            got = skinny_linear(x, w, b, tiles=tiles, scratch=scratch)
+            assert_close(got, linear_ref(x, w, b), 1e-5, f"{n}x{k}")
+            assert not scratch.arrivals.any()
+    with pytest.raises(ValueError, match="scratch too small"):
+        skinny_linear(*_operands(device, 5, 160, 96, torch.float32), tiles=tiles, scratch=scratch)
 
 
 def test_skinny_linear_strided_x_into_out(device):
@@ -185,14 +216,17 @@ def test_cuda_graph_and_no_sync():
     heads, kv_heads, d, hidden, t = 64, 8, 64, 2880, 8
     x, w, b, cos, sin, caches = _rope_case("cuda", t, heads, kv_heads, d, hidden, torch.bfloat16, torch.bfloat16)
     pos, slots = torch.arange(t, device="cuda"), torch.arange(t, device="cuda")
-    out = qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots)  # compile first
-    y = skinny_linear(x, w[:hidden, :hidden], b[:hidden])
+    scratch = SkinnyScratch.for_shapes([tuple(w.shape)], "cuda")
+    out = qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, scratch=scratch)
+    y = skinny_linear(x, w[:hidden, :hidden], b[:hidden], scratch=scratch)  # compile both outside the capture
     torch.cuda.set_sync_debug_mode("error")
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, out=out)
-            skinny_linear(x, w[:hidden, :hidden], b[:hidden], out=y)
+            for _ in range(3):  # one scratch, launches back to back
+                qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, out=out,
+                                      scratch=scratch)
+                skinny_linear(x, w[:hidden, :hidden], b[:hidden], out=y, scratch=scratch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     pos.add_(40)

@@ -16,11 +16,11 @@ from .qkv_rope import qkv_rope_store, qkv_rope_store_tokens, supports_qkv_rope_t
 from .rmsnorm import rms_norm
 from .rope import apply_rope, apply_rope_qkv, rope_cos_sin
 from .sampling import SamplingRows, sample
-from .skinny_linear import skinny_linear, supports_skinny_linear
+from .skinny_linear import SkinnyScratch, skinny_linear, supports_skinny_linear
 
 __all__ = [
     "MoeConfig", "MoeWeights", "MoeWorkspace", "advance_decode", "apply_rope", "apply_rope_qkv", "choose_num_splits",
     "decode_attention", "decode_slots", "kv_store", "moe_block", "moe_forward", "prefill_attention", "prepare_moe_weights",
     "qkv_rope_store", "qkv_rope_store_tokens", "rms_norm", "rope_cos_sin", "row_linear", "sample", "SamplingRows",
-    "skinny_linear", "supports_qkv_rope_tokens", "supports_row_linear", "supports_skinny_linear",
+    "SkinnyScratch", "skinny_linear", "supports_qkv_rope_tokens", "supports_row_linear", "supports_skinny_linear",
 ]

@@ -29,11 +29,11 @@ import triton.language as tl
 
 from .interpreter import is_interpreted
 from .kv_store import _check_store_args, cache_geometry, store_token_heads
-from .interpreter import dot_dtype
 from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rope import _check_rope_args, qkv_views
-from .skinny_linear import MIN_BLOCK, SkinnyTiles, check_skinny_args, default_tiles, skinny_dot, token_block
+from .skinny_linear import (MIN_BLOCK, SkinnyScratch, SkinnyTiles, check_skinny_args, default_tiles, plan_launch,
+                            reduce_splits, skinny_dot, split_range)
 
 
 @triton.jit
@@ -88,12 +88,12 @@ def _qkv_rope_kernel(
 
 
 def _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots,
-                out) -> torch.Tensor:
-    """All operand checks; returns the [1, (H + 2 Hkv) D] output buffer."""
+                out, few_tokens: bool = False) -> torch.Tensor:
+    """All operand checks; returns the [T, (H + 2 Hkv) D] output buffer (T = 1 unless few_tokens)."""
     rows = (num_heads + 2 * num_kv_heads) * head_dim
     if weight.shape[0] != rows:
         raise ValueError(f"weight must have (H + 2 Hkv) * D = {rows} rows, got {weight.shape[0]}")
-    check = check_skinny_args if x.shape[0] > 1 else check_row_args
+    check = check_skinny_args if few_tokens else check_row_args
     out = check(x, weight, bias, out, "the fused qkv projection")
     q, k, v = qkv_views(out, num_heads, num_kv_heads, head_dim)  # what the two unfused launches would see
     _check_rope_args(q, k, positions, cos, sin)
@@ -146,11 +146,11 @@ def _store_cache_tile(c_ptr, slots, kv_head, dims, values, mask, stride_cb, stri
 
 @triton.jit
 def _qkv_rope_tokens_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, k, stride_xt, stride_wn, stride_ot,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, num_tokens, k, k_per_split, stride_xt, stride_wn, stride_ot,
     pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
     kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
@@ -160,17 +160,33 @@ def _qkv_rope_tokens_kernel(
     # The tile's rows: the PAIRS first halves of the rotation pairs, then their second halves.
     r = tl.arange(0, 2 * PAIRS)
     rows = head * HEAD_DIM + first + r % PAIRS + (r // PAIRS) * HALF
-    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
     bias = tl.load(b_ptr + rows)
     wait_for_previous(PDL)
+    k_lo, k_hi = split_range(k, k_per_split)
+    acc = skinny_dot(x_ptr, stride_xt, w_ptr, stride_wn, rows, tl.minimum(tokens, num_tokens - 1), k_lo, k_hi, BLOCK_K,
+                     DOT)
+    last, acc = reduce_splits(acc, part_ptr, count_ptr, SPLITS, 2 * PAIRS, BLOCK_T)
+    if last:
+        _rope_store_tile(acc, bias, tokens, token_ok, head, i, out_ptr, stride_ot, pos_ptr, cos_ptr, sin_ptr,
+                         num_positions, stride_cs, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch, H, HKV,
+                         HEAD_DIM, PAIRS, BLOCK_T, BLOCK_SIZE)
+
+
+@triton.jit
+def _rope_store_tile(acc, bias, tokens, token_ok, head, i, out_ptr, stride_ot, pos_ptr, cos_ptr, sin_ptr, num_positions,
+                     stride_cs, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch, H: tl.constexpr,
+                     HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """The epilogue of one row tile: bias, rounding, rotation, stores to qkv and the cache."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(pos_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
     slots = tl.load(slot_ptr + tokens, mask=token_ok, other=-1)
     live = (pos >= 0) & (pos < num_positions) & (head < H + HKV)  # V heads are not rotated
     pos = tl.where(live, pos, 0)
     c = tl.load(cos_ptr + pos[None, :] * stride_cs + i[:, None])
     s = tl.load(sin_ptr + pos[None, :] * stride_cs + i[:, None])
-    acc = skinny_dot(x_ptr, stride_xt, w_ptr, stride_wn, rows, tl.minimum(tokens, num_tokens - 1), k, BLOCK_K, DOT)
     y = (acc + bias.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty)  # what the unfused rope reads
     y1, y2 = tl.split(tl.permute(tl.reshape(y, (2, PAIRS, BLOCK_T)), (1, 2, 0)))
     a = y1.to(tl.float32)
@@ -210,25 +226,26 @@ def _tile_pairs(half: int, tiles: SkinnyTiles) -> int:
 def qkv_rope_store_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                          out: torch.Tensor | None = None, tiles: SkinnyTiles | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, tiles: SkinnyTiles | None = None,
+                          scratch: SkinnyScratch | None = None) -> torch.Tensor:
     """Decode tokens x [T, K], T <= 64: qkv = skinny_linear(x, weight, bias) -> [T, (H + 2 Hkv) D] in
     x.dtype, then apply_rope_qkv(qkv, positions, cos, sin, H, Hkv, D, (k_cache, v_cache, slots)), in
     one launch. D/2 must be a multiple of 8 (`supports_qkv_rope_tokens`)."""
     if not supports_qkv_rope_tokens(head_dim):
         raise ValueError(f"the few-token qkv projection needs D/2 a multiple of 8, got D = {head_dim}")
     out = _check_args(x, weight, bias, positions, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                      slots, out)
+                      slots, out, few_tokens=True)
     tiles = tiles or default_tiles()
     (t, k), n = x.shape, weight.shape[0]
     pairs = _tile_pairs(head_dim // 2, tiles)
-    block_t = token_block(t)
+    launch = plan_launch(x, n, n // (2 * pairs), 2 * pairs, tiles, scratch)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _qkv_rope_tokens_kernel[(n // (2 * pairs), triton.cdiv(t, block_t))](
-        x, weight, bias, out, t, k, x.stride(0), weight.stride(0), out.stride(0),
+    _qkv_rope_tokens_kernel[launch.grid](
+        x, weight, bias, out, launch.scratch.partials, launch.scratch.arrivals, t, k, launch.k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
         positions, cos, sin, cos.shape[0], cos.stride(0),
         k_cache, v_cache, slots, *k_cache.stride()[:3],
-        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, BLOCK_T=block_t, BLOCK_K=tiles.block_k,
-        BLOCK_SIZE=k_cache.shape[1], DOT=dot_dtype(x.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl_launch(pdl_enabled(x)),
+        H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, PAIRS=pairs, BLOCK_SIZE=k_cache.shape[1],
+        **launch.constexprs,
     )  # fmt: skip
     return out

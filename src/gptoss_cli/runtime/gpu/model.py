@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import (MoeWorkspace, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
+from ...kernels import (MoeWorkspace, SkinnyScratch, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
                         prefill_attention, qkv_rope_store, qkv_rope_store_tokens, rms_norm, rope_cos_sin, row_linear,
                         skinny_linear, supports_qkv_rope_tokens, supports_row_linear, supports_skinny_linear)
 from .kv_cache import KvCache
@@ -52,6 +52,8 @@ class GpuModel:
         self.cos, self.sin = rope_cos_sin(cfg, max_positions, device)
         self.moe_workspace = MoeWorkspace.allocate(max_step_tokens, weights.layers[0].experts,
                                                    cfg.num_experts_per_tok, weights.embed.dtype, device)
+        layer = weights.layers[0]
+        self.skinny_scratch = SkinnyScratch.for_shapes([tuple(layer.qkv_w.shape), tuple(layer.o_w.shape)], device)
 
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] (activation dtype) for the requested rows."""
@@ -86,7 +88,7 @@ class GpuModel:
             qkv = qkv_rope_store(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc, slots)
         elif b.decode and self.skinny_qkv_rope and supports_skinny_linear(h, self.skinny_tokens):
             qkv = qkv_rope_store_tokens(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc,
-                                        slots)
+                                        slots, scratch=self.skinny_scratch)
         else:
             qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
             # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
@@ -109,5 +111,5 @@ class GpuModel:
         if self.use_row_linear and supports_row_linear(x, w):
             return row_linear(x, w, b)
         if supports_skinny_linear(x, self.skinny_tokens):
-            return skinny_linear(x, w, b)
+            return skinny_linear(x, w, b, scratch=self.skinny_scratch)
         return torch.addmm(b, x, w.T)
