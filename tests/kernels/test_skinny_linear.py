@@ -67,6 +67,16 @@ def test_shared_scratch_across_launches(device):
             assert not scratch.arrivals.any()
     with pytest.raises(ValueError, match="scratch too small"):
         skinny_linear(*_operands(device, 5, 160, 96, torch.float32), tiles=tiles, scratch=scratch)
+    # qkv_rope's row tiles stop at a head (32 rows here, below the 64 of the tiles): the scratch fits them.
+    heads, kv_heads, d, hidden, t = 2, 1, 32, 64, 5
+    big = SkinnyTiles(block_n=64, block_k=32, splits=2)
+    x, w, b, cos, sin, caches = _rope_case(device, t, heads, kv_heads, d, hidden, torch.float32, torch.float32)
+    scratch = SkinnyScratch.for_shapes([tuple(w.shape)], device, big)
+    pos, slots = torch.arange(t, device=device), torch.arange(t, device=device)
+    want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slots)
+    got = qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, tiles=big, scratch=scratch)
+    assert_close(got, want, 1e-5, "qkv")
+    assert_close(caches[0], want_k, 1e-5, "k cache")
 
 
 def test_skinny_linear_strided_x_into_out(device):

@@ -24,6 +24,7 @@ few-token kernel.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -100,14 +101,16 @@ class SkinnyScratch:
     @classmethod
     def for_shapes(cls, shapes: list[tuple[int, int]], device: torch.device | str,
                    tiles: SkinnyTiles | None = None) -> SkinnyScratch:
-        """Scratch for launches of weights [N, K] in `shapes` at up to MAX_TOKENS tokens."""
+        """Scratch for launches of weights [N, K] in `shapes` at up to MAX_TOKENS tokens, with row
+        tiles of tiles.block_n or fewer rows (qkv_rope's tiles stop at a head)."""
         tiles = tiles or default_tiles()
         device = torch.device(device)
         need, counters = 1, 1
-        for n, k in shapes:
-            row_tiles = triton.cdiv(n, tiles.block_n)
+        blocks = [b for b in (MIN_BLOCK, 2 * MIN_BLOCK, 4 * MIN_BLOCK) if b < tiles.block_n] + [tiles.block_n]
+        for (n, k), block_n in itertools.product(shapes, blocks):
+            row_tiles = triton.cdiv(n, block_n)
             splits, _ = split_plan(k, row_tiles, tiles, device)
-            need = max(need, row_tiles * splits * tiles.block_n * token_block(MAX_TOKENS))
+            need = max(need, row_tiles * splits * block_n * token_block(MAX_TOKENS))
             counters = max(counters, row_tiles)
         return cls.allocate(need, counters, device)
 

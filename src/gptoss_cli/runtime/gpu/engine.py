@@ -50,8 +50,10 @@ class GpuEngineConfig:
     fused_qkv_rope: bool = True
     # Steps of 2 to this many tokens (at most kernels.skinny_linear.MAX_TOKENS) project qkv and o in
     # kernels.skinny_linear instead of cuBLAS (decode qkv with RoPE and the K/V store fused, as
-    # fused_qkv_rope says); 0: cuBLAS.
-    skinny_tokens: int = 16
+    # fused_qkv_rope says); 0: cuBLAS. H200, 20b ms per step: batch 2 2.667 -> 2.530, 16 4.859 ->
+    # 4.706, 32 5.637 -> 5.507; batch 64 6.000 -> 6.091 stays on cuBLAS (docs/performance.md,
+    # session 27).
+    skinny_tokens: int = 32
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
