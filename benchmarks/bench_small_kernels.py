@@ -198,9 +198,9 @@ def _projection_cases(device: str) -> list[Case]:
 
 # Few-token projections (decode steps of 2-64 tokens): cuBLAS (qkv then the rope launch that stores
 # K/V, as the engine ran them before kernels.skinny_linear) against the skinny kernels at a few
-# tiles (rows per program, K step, pipeline stages, warps, programs; 0: 2 per SM).
-SKINNY_TILES = [(64, 128, 4, 4, 0), (64, 128, 4, 4, 132), (64, 128, 4, 4, 396), (32, 128, 4, 4, 0),
-                (64, 128, 6, 4, 0), (64, 256, 3, 4, 0), (128, 128, 3, 8, 0)]
+# tiles (rows per program, K step, pipeline stages, warps, K splits; 0: ~2 programs per SM).
+SKINNY_TILES = [(64, 128, 4, 4, 0), (64, 128, 4, 4, 1), (32, 128, 4, 4, 0), (64, 256, 3, 4, 0), (64, 128, 6, 4, 0),
+                (64, 64, 6, 4, 0), (128, 128, 3, 8, 0), (32, 128, 6, 4, 0)]
 
 
 def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
@@ -240,8 +240,8 @@ def _skinny_cases(sizes: Sizes, device: str) -> list[Case]:
         for which, (n, k) in PROJECTIONS.items():
             nbytes = 2 * (n * k + n + t * k + t * n)
             forms = {"cuBLAS" + (" + rope" if which == "qkv" else ""): None}
-            forms |= {f"skinny n{bn} k{bk} s{st} w{nw} p{p}": SkinnyTiles(bn, bk, st, nw, p)
-                      for bn, bk, st, nw, p in SKINNY_TILES}
+            forms |= {f"skinny n{bn} k{bk} s{st} w{nw} x{sp}": SkinnyTiles(bn, bk, st, nw, sp)
+                      for bn, bk, st, nw, sp in SKINNY_TILES}
             cases += [Case("skinny", f"T={t} {which} {label}", nbytes, make(t, which, tiles))
                       for label, tiles in forms.items()]
     return cases

@@ -15,7 +15,7 @@ import tempfile
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
-DIV16_ARGS = {"hidden", "inter", "n", "k"}
+DIV16_ARGS = {"hidden", "inter", "n", "k", "k_per_split"}
 
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
@@ -351,7 +351,7 @@ def _skinny(which: str, num_tokens: int):
     pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "kc_ptr", "vc_ptr")}
     pointers |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "part_ptr": "*fp32",
                  "count_ptr": "*i32"}
-    common = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "DOT": tl.bfloat16, "PDL": True}
+    common = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "SPLITS": 3, "DOT": tl.bfloat16, "PDL": True}
     if which == "linear":
         kernel = compile_sm90(sl._skinny_linear_kernel, pointers, common | {"BLOCK_N": tiles.block_n},
                               tiles.num_warps, tiles.num_stages)

@@ -33,7 +33,7 @@ from .linear import NUM_WARPS, check_row_args
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rope import _check_rope_args, qkv_views
 from .skinny_linear import (MIN_BLOCK, SkinnyScratch, SkinnyTiles, check_skinny_args, default_tiles, plan_launch,
-                            reduce_parts, skinny_dot, stream_bounds, stream_segment)
+                            reduce_splits, skinny_dot, split_range)
 
 
 @triton.jit
@@ -146,34 +146,32 @@ def _store_cache_tile(c_ptr, slots, kv_head, dims, values, mask, stride_cb, stri
 
 @triton.jit
 def _qkv_rope_tokens_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, num_tokens, k, steps, units, programs, parts,
-    stride_xt, stride_wn, stride_ot, pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, num_tokens, k, k_per_split, stride_xt, stride_wn, stride_ot,
+    pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
     kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch,
     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HEAD_DIM // 2
     PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
-    tokens = tl.arange(0, BLOCK_T)
+    head = tl.program_id(0) // PROGRAMS_PER_HEAD
+    first = (tl.program_id(0) % PROGRAMS_PER_HEAD) * PAIRS
+    i = first + tl.arange(0, PAIRS)
+    # The tile's rows: the PAIRS first halves of the rotation pairs, then their second halves.
+    r = tl.arange(0, 2 * PAIRS)
+    rows = head * HEAD_DIM + first + r % PAIRS + (r // PAIRS) * HALF
+    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < num_tokens
+    bias = tl.load(b_ptr + rows)
     wait_for_previous(PDL)
-    u, hi = stream_bounds(units, programs)
-    while u < hi:
-        tile, s0, s1, first, last = stream_segment(u, hi, steps, units, programs)
-        head = tile // PROGRAMS_PER_HEAD
-        pair0 = (tile % PROGRAMS_PER_HEAD) * PAIRS
-        # The tile's rows: the PAIRS first halves of the rotation pairs, then their second halves.
-        r = tl.arange(0, 2 * PAIRS)
-        rows = head * HEAD_DIM + pair0 + r % PAIRS + (r // PAIRS) * HALF
-        acc = skinny_dot(x_ptr, stride_xt, w_ptr, stride_wn, rows, tl.minimum(tokens, num_tokens - 1), s0 * BLOCK_K,
-                         tl.minimum(k, s1 * BLOCK_K), BLOCK_K, DOT)
-        done, acc = reduce_parts(acc, part_ptr, count_ptr, parts, tile, first, last, 2 * PAIRS, BLOCK_T)
-        if done:
-            bias = tl.load(b_ptr + rows)
-            _rope_store_tile(acc, bias, tokens, token_ok, head, pair0 + tl.arange(0, PAIRS), out_ptr, stride_ot,
-                             pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs, kc_ptr, vc_ptr, slot_ptr, stride_cb,
-                             stride_co, stride_ch, H, HKV, HEAD_DIM, PAIRS, BLOCK_T, BLOCK_SIZE)
-        u += s1 - s0
+    k_lo, k_hi = split_range(k, k_per_split)
+    acc = skinny_dot(x_ptr, stride_xt, w_ptr, stride_wn, rows, tl.minimum(tokens, num_tokens - 1), k_lo, k_hi, BLOCK_K,
+                     DOT)
+    last, acc = reduce_splits(acc, part_ptr, count_ptr, SPLITS, 2 * PAIRS, BLOCK_T)
+    if last:
+        _rope_store_tile(acc, bias, tokens, token_ok, head, i, out_ptr, stride_ot, pos_ptr, cos_ptr, sin_ptr,
+                         num_positions, stride_cs, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_co, stride_ch, H, HKV,
+                         HEAD_DIM, PAIRS, BLOCK_T, BLOCK_SIZE)
 
 
 @triton.jit
@@ -240,10 +238,10 @@ def qkv_rope_store_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     tiles = tiles or default_tiles()
     (t, k), n = x.shape, weight.shape[0]
     pairs = _tile_pairs(head_dim // 2, tiles)
-    launch = plan_launch(x, n // (2 * pairs), 2 * pairs, tiles, scratch)
+    launch = plan_launch(x, n, n // (2 * pairs), 2 * pairs, tiles, scratch)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _qkv_rope_tokens_kernel[(launch.programs,)](
-        x, weight, bias, out, launch.scratch.partials, launch.scratch.arrivals, t, k, *launch.args,
+    _qkv_rope_tokens_kernel[launch.grid](
+        x, weight, bias, out, launch.scratch.partials, launch.scratch.arrivals, t, k, launch.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
         positions, cos, sin, cos.shape[0], cos.stride(0),
         k_cache, v_cache, slots, *k_cache.stride()[:3],
