@@ -50,3 +50,16 @@ def bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
     floor = 1e-3 * r.abs().max().clamp_min(1e-30)
     spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(r.abs(), floor))) - 7)
     return ((out.float() - r).abs() / spacing).max().item()
+
+
+def capture_without_sync(launches) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `launches()` (kernels already compiled), failing on any host synchronisation
+    during the capture."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launches()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return graph

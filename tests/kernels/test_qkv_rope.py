@@ -4,7 +4,7 @@ against the torch twins."""
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, capture_without_sync
 
 from gptoss_cli.kernels.kv_store import kv_store_ref
 from gptoss_cli.kernels.linear import linear_ref, row_linear
@@ -21,12 +21,13 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 BLOCK_SIZE, NUM_BLOCKS = 16, 4
 
 
-def _case(device, heads, kv_heads, d, hidden, dtype, cache_dtype, positions=50):
-    x = torch.randn(1, hidden, device=device).to(dtype)
+def qkv_case(device, heads, kv_heads, d, hidden, dtype, cache_dtype, positions=50, tokens=1, num_blocks=NUM_BLOCKS):
+    """x [tokens, hidden], the fused qkv weight and bias, cos/sin tables and a K/V cache pair."""
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
     w = (torch.randn((heads + 2 * kv_heads) * d, hidden, device=device) / hidden**0.5).to(dtype)
     b = torch.randn(w.shape[0], device=device).to(dtype)
     cos, sin = torch.randn(positions, d // 2, device=device), torch.randn(positions, d // 2, device=device)
-    caches = [torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, d, device=device).to(cache_dtype) for _ in range(2)]
+    caches = [torch.randn(num_blocks, BLOCK_SIZE, kv_heads, d, device=device).to(cache_dtype) for _ in range(2)]
     return x, w, b, cos, sin, caches
 
 
@@ -62,7 +63,7 @@ SHAPES = [(8, 2, 8, 64), (5, 3, 6, 100), (4, 1, 64, 48)]  # odd sizes: D/2 = 3, 
                                                (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", SHAPES)
 def test_fused_equals_row_linear_then_rope(device, dtype, cache_dtype, heads, kv_heads, d, hidden):
-    x, w, b, cos, sin, caches = _case(device, heads, kv_heads, d, hidden, dtype, cache_dtype)
+    x, w, b, cos, sin, caches = qkv_case(device, heads, kv_heads, d, hidden, dtype, cache_dtype)
     pos = torch.tensor([37], device=device)
     slot = torch.tensor([BLOCK_SIZE * 2 + 5], device=device)
     want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
@@ -73,7 +74,7 @@ def test_fused_equals_row_linear_then_rope(device, dtype, cache_dtype, heads, kv
 
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", SHAPES[:2])
 def test_fused_matches_the_torch_twins(device, heads, kv_heads, d, hidden):
-    x, w, b, cos, sin, caches = _case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
+    x, w, b, cos, sin, caches = qkv_case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
     pos, slot = torch.tensor([3], device=device), torch.tensor([7], device=device)
     want_k, want_v = caches[0].clone(), caches[1].clone()
     q, k, v = qkv_views(linear_ref(x, w, b), heads, kv_heads, d)
@@ -87,7 +88,7 @@ def test_fused_matches_the_torch_twins(device, heads, kv_heads, d, hidden):
 
 def test_out_of_table_position_and_padding_slot(device):
     heads, kv_heads, d, hidden = 4, 2, 8, 32
-    x, w, b, cos, sin, caches = _case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
+    x, w, b, cos, sin, caches = qkv_case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
     before = [c.clone() for c in caches]
     got = qkv_rope_store(x, w, b, torch.tensor([-1], device=device), cos, sin, heads, kv_heads, d, *caches,
                          torch.tensor([-1], device=device))
@@ -102,7 +103,7 @@ def test_out_of_table_position_and_padding_slot(device):
 
 def test_bad_arguments_raise(device):
     heads, kv_heads, d, hidden = 4, 2, 8, 32
-    x, w, b, cos, sin, caches = _case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
+    x, w, b, cos, sin, caches = qkv_case(device, heads, kv_heads, d, hidden, torch.float32, torch.float32)
     pos, slot = torch.tensor([1], device=device), torch.tensor([0], device=device)
     with pytest.raises(ValueError, match="rows"):
         qkv_rope_store(x, w[:-1], b[:-1], pos, cos, sin, heads, kv_heads, d, *caches, slot)
@@ -120,33 +121,33 @@ def test_bad_arguments_raise(device):
 def test_fused_real_shapes_bf16_gpu():
     cfg = ModelConfig()
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    x, w, b, _, _, caches = _case("cuda", heads, kv_heads, d, cfg.hidden_size, torch.bfloat16, torch.bfloat16)
+    x, w, b, _, _, caches = qkv_case("cuda", heads, kv_heads, d, cfg.hidden_size, torch.bfloat16, torch.bfloat16)
     cos, sin = rope_cos_sin(cfg, 131072, "cuda")
     for p in (0, 4095, 131071):
         pos, slot = torch.tensor([p], device="cuda"), torch.tensor([p % (NUM_BLOCKS * BLOCK_SIZE)], device="cuda")
         want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slot)
         got = qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot)
         _check_unfused(got, caches, want, want_k, want_v)
-        q, k, _ = qkv_views(linear_ref(x.float(), w.float(), b.float()), heads, kv_heads, d)
-        got_q, got_k, _ = qkv_views(got, heads, kv_heads, d)
-        # bf16 rounding before the rotation (as the unfused launches do), then again after it
-        assert_close(got_q.float(), apply_rope_ref(q, pos, cos, sin), 8e-3, "q")
-        assert_close(got_k.float(), apply_rope_ref(k, pos, cos, sin), 8e-3, "k")
+        assert_rotated_like_twins(got, x, w, b, pos, cos, sin, heads, kv_heads, d)
+
+
+def assert_rotated_like_twins(got, x, w, b, pos, cos, sin, heads, kv_heads, d):
+    """bf16 q and k of `got` against the fp32 torch twins: rounded before the rotation (as the
+    unfused launches do), then again after it."""
+    q, k, _ = qkv_views(linear_ref(x.float(), w.float(), b.float()), heads, kv_heads, d)
+    got_q, got_k, _ = qkv_views(got, heads, kv_heads, d)
+    assert_close(got_q.float(), apply_rope_ref(q, pos, cos, sin), 8e-3, "q")
+    assert_close(got_k.float(), apply_rope_ref(k, pos, cos, sin), 8e-3, "k")
 
 
 @requires_gpu
 def test_fused_cuda_graph_and_no_sync():
     heads, kv_heads, d, hidden = 64, 8, 64, 2880
-    x, w, b, cos, sin, caches = _case("cuda", heads, kv_heads, d, hidden, torch.bfloat16, torch.bfloat16)
+    x, w, b, cos, sin, caches = qkv_case("cuda", heads, kv_heads, d, hidden, torch.bfloat16, torch.bfloat16)
     pos, slot = torch.tensor([1], device="cuda"), torch.tensor([3], device="cuda")
     out = qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot)  # compile outside the capture
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph = capture_without_sync(lambda: qkv_rope_store(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slot,
+                                                        out=out))
     pos.fill_(42)
     slot.fill_(17)
     x.copy_(torch.randn_like(x))

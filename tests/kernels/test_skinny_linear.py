@@ -5,7 +5,8 @@ of two, several token blocks; positions outside the table and padding slots."""
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, capture_without_sync
+from test_qkv_rope import BLOCK_SIZE, assert_rotated_like_twins, qkv_case
 
 from gptoss_cli.kernels.kv_store import kv_store_ref
 from gptoss_cli.kernels.linear import linear_ref
@@ -21,7 +22,7 @@ from gptoss_cli.kernels.skinny_linear import (
 from gptoss_cli.runtime.config import ModelConfig
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BLOCK_SIZE, NUM_BLOCKS = 16, 8
+NUM_BLOCKS = 8
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 # The defaults (split K on both the interpreter and a GPU), one split, and three splits of a
 # smaller row tile, which put odd sizes on tile edges and ragged last splits.
@@ -102,11 +103,8 @@ def test_skinny_linear_rejects_bad_shapes(device):
         skinny_linear(x, w, b, out=torch.empty(3, 23, device=device))
 
 
-def _rope_case(device, t, heads, kv_heads, d, hidden, dtype, cache_dtype, positions=50):
-    x, w, b = _operands(device, t, (heads + 2 * kv_heads) * d, hidden, dtype)
-    cos, sin = torch.randn(positions, d // 2, device=device), torch.randn(positions, d // 2, device=device)
-    caches = [torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, d, device=device).to(cache_dtype) for _ in range(2)]
-    return x, w, b, cos, sin, caches
+def _rope_case(device, t, heads, kv_heads, d, hidden, dtype, cache_dtype):
+    return qkv_case(device, heads, kv_heads, d, hidden, dtype, cache_dtype, tokens=t, num_blocks=NUM_BLOCKS)
 
 
 def _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slots, tiles=None):
@@ -211,10 +209,7 @@ def test_real_shapes_bf16_gpu(t):
     want, want_k, want_v = _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slots)
     got = qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots)
     _assert_as_unfused(got, caches, want, want_k, want_v)
-    q, k, _ = qkv_views(linear_ref(x.float(), w.float(), b.float()), heads, kv_heads, d)
-    got_q, got_k, _ = qkv_views(got, heads, kv_heads, d)
-    assert_close(got_q.float(), apply_rope_ref(q, pos, cos, sin), 8e-3, "q")
-    assert_close(got_k.float(), apply_rope_ref(k, pos, cos, sin), 8e-3, "k")
+    assert_rotated_like_twins(got, x, w, b, pos, cos, sin, heads, kv_heads, d)
     o = torch.randn(t, heads * d, device="cuda").bfloat16()
     o_w = (torch.randn(hidden, heads * d, device="cuda") / (heads * d) ** 0.5).bfloat16()
     o_b = torch.randn(hidden, device="cuda").bfloat16()
@@ -229,16 +224,14 @@ def test_cuda_graph_and_no_sync():
     scratch = SkinnyScratch.for_shapes([tuple(w.shape)], "cuda")
     out = qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, scratch=scratch)
     y = skinny_linear(x, w[:hidden, :hidden], b[:hidden], scratch=scratch)  # compile both outside the capture
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(3):  # one scratch, launches back to back
-                qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, out=out,
-                                      scratch=scratch)
-                skinny_linear(x, w[:hidden, :hidden], b[:hidden], out=y, scratch=scratch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    def launches():
+        for _ in range(3):  # one scratch, launches back to back
+            qkv_rope_store_tokens(x, w, b, pos, cos, sin, heads, kv_heads, d, *caches, slots, out=out,
+                                  scratch=scratch)
+            skinny_linear(x, w[:hidden, :hidden], b[:hidden], out=y, scratch=scratch)
+
+    graph = capture_without_sync(launches)
     pos.add_(40)
     slots.add_(17)
     x.copy_(torch.randn_like(x))
