@@ -19,6 +19,11 @@ Program p owns head p // (D/2) of the fused q | k | v rows and the pair (i, i + 
 (under the interpreter, several consecutive pairs: `_pairs_per_program`).
 Positions outside the table leave the token unrotated and slot -1 writes no cache row, as in
 rope.apply_rope.
+
+With 2 to 64 tokens the same epilogue runs on skinny_linear's split-K plan (cuBLAS and the rope
+launch took 13-14.5 us per layer at 2-32 tokens, this 11.3-12.5; docs/performance.md, session 27):
+a row tile holds up to 32 rotation pairs of one head, its first halves then their second halves,
+so the tile's last program holds both halves of every rotation once it has summed the partials.
 """
 
 from __future__ import annotations
@@ -238,7 +243,7 @@ def qkv_rope_store_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     tiles = tiles or default_tiles()
     (t, k), n = x.shape, weight.shape[0]
     pairs = _tile_pairs(head_dim // 2, tiles)
-    launch = plan_launch(x, n, n // (2 * pairs), 2 * pairs, tiles, scratch)
+    launch = plan_launch(x, n // (2 * pairs), 2 * pairs, tiles, scratch)
     cos, sin = cos.contiguous(), sin.contiguous()
     _qkv_rope_tokens_kernel[launch.grid](
         x, weight, bias, out, launch.scratch.partials, launch.scratch.arrivals, t, k, launch.k_per_split,

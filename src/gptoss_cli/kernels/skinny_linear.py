@@ -15,7 +15,9 @@ fast as its busiest SM. 80 or 160 row tiles on 132 SMs leave SMs idle or doubly 
 K gives ~2 even programs per SM. Each program stores its fp32 partial to a scratch row and counts
 its arrival on its row tile's counter; the last to arrive sums the partials in split order (the
 same order whoever arrives last) and runs the epilogue. fp32 accumulation, the bias added in
-fp32, one rounding to the output dtype.
+fp32, one rounding to the output dtype. H200 at 16 tokens: qkv with RoPE and the K/V store 11.3
+us (cuBLAS + the rope launch 14.3), o-proj 9.35 us (cuBLAS 12.5); stream-K cuts were slower
+(docs/optimizations.md, session 27).
 
 `skinny_dot` (the K loop) and `reduce_splits` (the arrival and the sum) are shared with qkv_rope's
 few-token kernel.
@@ -71,7 +73,9 @@ def _sm_count(index: int) -> int:
 
 
 def split_plan(k: int, row_tiles: int, tiles: SkinnyTiles, device: torch.device) -> tuple[int, int]:
-    """(splits, K per split): K per split a multiple of the K step, every split non-empty."""
+    """(splits, K per split): K per split a multiple of the K step, every split non-empty. Being a
+    multiple of 16, K per split is marked divisible by 16 by the launcher, which the pipeliner needs
+    to copy W in 16-byte cp.async pieces (unmarked, it fell back to 2-byte loads and 255 registers)."""
     steps = triton.cdiv(k, tiles.block_k)
     splits = tiles.splits
     if splits == 0:
@@ -223,14 +227,16 @@ class SkinnyLaunch:
     constexprs: dict
 
 
-def plan_launch(x: torch.Tensor, n: int, row_tiles: int, block_n: int, tiles: SkinnyTiles,
+def plan_launch(x: torch.Tensor, row_tiles: int, block_n: int, tiles: SkinnyTiles,
                 scratch: SkinnyScratch | None) -> SkinnyLaunch:
     """Split plan, scratch (a private one when none is given and K is split) and launch options."""
     t, k = x.shape
     block_t = token_block(t)
     splits, per_split = split_plan(k, row_tiles, tiles, x.device)
     if scratch is None:
-        scratch = SkinnyScratch.allocate(row_tiles * splits * block_n * block_t, row_tiles, x.device)
+        one = splits == 1  # nothing to reduce: placeholders
+        scratch = SkinnyScratch.allocate(1 if one else row_tiles * splits * block_n * block_t, 1 if one else row_tiles,
+                                         x.device)
     scratch.check(row_tiles, splits, block_n, block_t)
     constexprs = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "SPLITS": splits, "DOT": dot_dtype(x.dtype),
                   "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl_launch(pdl_enabled(x))}
@@ -245,7 +251,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out
     out = check_skinny_args(x, weight, bias, out)
     tiles = tiles or default_tiles()
     (t, k), n = x.shape, weight.shape[0]
-    launch = plan_launch(x, n, triton.cdiv(n, tiles.block_n), tiles.block_n, tiles, scratch)
+    launch = plan_launch(x, triton.cdiv(n, tiles.block_n), tiles.block_n, tiles, scratch)
     _skinny_linear_kernel[launch.grid](
         x, weight, bias, out, launch.scratch.partials, launch.scratch.arrivals, t, n, k, launch.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), BLOCK_N=tiles.block_n, **launch.constexprs,
