@@ -72,7 +72,8 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, pos, valid, kv_head, ring_blocks,
 @triton.jit
 def store_token_heads(c_ptr, slot, heads, dims, values, mask, stride_cb, stride_co, stride_ch,
                       BLOCK_SIZE: tl.constexpr):
-    """Write values [heads x dims tile] of one token into cache slot `slot` (-1: nothing written)."""
+    """Write values [heads x dims tile] of one token into cache slot `slot` (-1: nothing written).
+    `slot` may also be a tile of several tokens' slots that broadcasts against heads and dims."""
     slot = slot.to(tl.int64)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + heads * stride_ch + dims
     tl.store(c_ptr + dst, values.to(c_ptr.dtype.element_ty), mask=mask & (slot >= 0))

@@ -140,16 +140,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, po
 
 
 @triton.jit
-def _store_cache_tile(c_ptr, slots, kv_head, dims, values, mask, stride_cb, stride_co, stride_ch,
-                      BLOCK_SIZE: tl.constexpr):
-    """values [dims x tokens] of one KV head into the tokens' cache slots (slot -1: nothing)."""
-    slots = slots.to(tl.int64)
-    base = (slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-    tl.store(c_ptr + base[None, :] + dims[:, None], values.to(c_ptr.dtype.element_ty),
-             mask=mask & (slots >= 0)[None, :])
-
-
-@triton.jit
 def _qkv_rope_tokens_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, num_tokens, k, k_per_split, stride_xt, stride_wn, stride_ot,
     pos_ptr, cos_ptr, sin_ptr, num_positions, stride_cs,
@@ -165,7 +155,7 @@ def _qkv_rope_tokens_kernel(
     # The tile's rows: the PAIRS first halves of the rotation pairs, then their second halves.
     r = tl.arange(0, 2 * PAIRS)
     rows = head * HEAD_DIM + first + r % PAIRS + (r // PAIRS) * HALF
-    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens = tl.arange(0, BLOCK_T)  # every token of the step (BLOCK_T >= T)
     token_ok = tokens < num_tokens
     bias = tl.load(b_ptr + rows)
     wait_for_previous(PDL)
@@ -204,14 +194,15 @@ def _rope_store_tile(acc, bias, tokens, token_ok, head, i, out_ptr, stride_ot, p
     tl.store(dst + HALF, y2, mask=mask)
     is_k = (head >= H) & (head < H + HKV)
     is_v = head >= H + HKV
-    _store_cache_tile(kc_ptr, slots, head - H, i, y1, mask & is_k, stride_cb, stride_co, stride_ch,
+    # store_token_heads broadcasts: the tokens' slots along columns, the head's dims along rows.
+    slots = slots[None, :]
+    store_token_heads(kc_ptr, slots, head - H, i[:, None], y1, mask & is_k, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
+    store_token_heads(kc_ptr, slots, head - H, (i + HALF)[:, None], y2, mask & is_k, stride_cb, stride_co, stride_ch,
                       BLOCK_SIZE)
-    _store_cache_tile(kc_ptr, slots, head - H, i + HALF, y2, mask & is_k, stride_cb, stride_co, stride_ch,
+    store_token_heads(vc_ptr, slots, head - H - HKV, i[:, None], y1, mask & is_v, stride_cb, stride_co, stride_ch,
                       BLOCK_SIZE)
-    _store_cache_tile(vc_ptr, slots, head - H - HKV, i, y1, mask & is_v, stride_cb, stride_co, stride_ch,
-                      BLOCK_SIZE)
-    _store_cache_tile(vc_ptr, slots, head - H - HKV, i + HALF, y2, mask & is_v, stride_cb, stride_co, stride_ch,
-                      BLOCK_SIZE)
+    store_token_heads(vc_ptr, slots, head - H - HKV, (i + HALF)[:, None], y2, mask & is_v, stride_cb, stride_co,
+                      stride_ch, BLOCK_SIZE)
 
 
 def supports_qkv_rope_tokens(head_dim: int) -> bool:

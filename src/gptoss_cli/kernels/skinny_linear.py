@@ -151,10 +151,10 @@ def split_range(k, k_per_split):
 @triton.jit
 def reduce_splits(acc, part_ptr, count_ptr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """(last, total): whether this program is its row tile's last to arrive, and then the sum of
-    every split's partial in split order (grid: row tiles, splits, token blocks)."""
+    every split's partial in split order (grid: row tiles, splits)."""
     if SPLITS == 1:
         return tl.program_id(0) >= 0, acc
-    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    tile = tl.program_id(0)
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     base = part_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_N * BLOCK_T)
     tl.store(base + tl.program_id(1) * (BLOCK_N * BLOCK_T) + offs, acc)
@@ -177,7 +177,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, num
                           stride_xt, stride_wn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens = tl.arange(0, BLOCK_T)  # every token of the step (BLOCK_T >= T)
     row_ok = rows < n
     token_ok = tokens < num_tokens
     bias = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
@@ -221,7 +221,7 @@ def check_skinny_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 class SkinnyLaunch:
     """What a few-token launch passes besides its operands: grid, split plan, constexprs."""
 
-    grid: tuple[int, int, int]
+    grid: tuple[int, int]
     k_per_split: int
     scratch: SkinnyScratch
     constexprs: dict
@@ -240,7 +240,7 @@ def plan_launch(x: torch.Tensor, row_tiles: int, block_n: int, tiles: SkinnyTile
     scratch.check(row_tiles, splits, block_n, block_t)
     constexprs = {"BLOCK_T": block_t, "BLOCK_K": tiles.block_k, "SPLITS": splits, "DOT": dot_dtype(x.dtype),
                   "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl_launch(pdl_enabled(x))}
-    return SkinnyLaunch((row_tiles, splits, triton.cdiv(t, block_t)), per_split, scratch, constexprs)
+    return SkinnyLaunch((row_tiles, splits), per_split, scratch, constexprs)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None,
