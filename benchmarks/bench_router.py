@@ -1,5 +1,6 @@
-"""Launch sweep of the batch-1 MoE block edges (a script, not a test): the router launch with the
-block's input norm (kernels/moe_router.py) and the combine with the next block's norm
+"""Launch sweep of the MoE block edges (a script, not a test): the router launch with the block's
+input norm (kernels/moe_router.py), from 2 tokens also the router's K-split tiles
+(kernels/moe_router_tiles.py), and the combine with the next block's norm
 (moe_matmul.moe_combine_norm), against the separate launches they replace.
 
     PYTHONPATH=src python benchmarks/bench_router.py [TOKENS ...]   # H200; tokens per step, default 1
@@ -62,6 +63,33 @@ def _router_rows(experts: int, tokens: int = 1, hidden: int = 2880) -> list[tupl
     return rows
 
 
+def _tiles_rows(experts: int, tokens: int, hidden: int = 2880) -> list[tuple]:
+    """The K-split tiles (moe_router_tiles) against F.linear + top-k, both without the norm (it stays
+    its own launch there): (label, us, chosen experts equal, RouterTiles or None)."""
+    from gptoss_cli.kernels import moe_router_tiles as rt
+    from gptoss_cli.kernels.moe import router_logits
+    from gptoss_cli.kernels.moe_routing import route
+
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).bfloat16()
+    rb = torch.randn(experts, device="cuda").bfloat16()
+    want = route(router_logits(x, rw, rb), 4, 16, sort=False)
+    head = f"router E={experts} T={tokens}:"
+    rows = [(f"{head} F.linear + top-k (2-3 launches)",
+             _time_us(lambda: route(router_logits(x, rw, rb), 4, 16, sort=False)), True, None)]
+    variants = [rt.RouterTiles(), rt.RouterTiles(128, 1), rt.RouterTiles(64, 2), rt.RouterTiles(64, 4, 3),
+                rt.RouterTiles(128, 4, 3), rt.RouterTiles(256, 1), rt.RouterTiles(128, 2, 2, 8)]
+    for tiles in dict.fromkeys(variants):
+        scratch = rt.allocate_scratch(experts, hidden, "cuda", tiles)
+        out = rt.route_tiles(x, rw, rb, 4, 16, sort=False, scratch=scratch, tiles=tiles)
+        ok = torch.equal(out.topk_ids, want.topk_ids)
+        us = _time_us(lambda: rt.route_tiles(x, rw, rb, 4, 16, out=out, sort=False, scratch=scratch,  # noqa: B023
+                                             tiles=tiles))  # noqa: B023 (timed now)
+        rows.append((f"{head} tiles k{tiles.block_k} x{tiles.steps_per_split} s{tiles.num_stages} "
+                     f"w{tiles.num_warps}", us, ok, tiles))
+    return rows
+
+
 def _combine_rows(hidden: int = 2880, top_k: int = 4) -> list[tuple]:
     """(label, us, outputs ok, num_warps or None for the separate launches)"""
     from gptoss_cli.kernels.moe_matmul import moe_combine, moe_combine_norm
@@ -88,6 +116,7 @@ def main() -> int:
     tokens = [int(t) for t in sys.argv[1:]] or [1]
     torch.manual_seed(0)
     rows = [r for t in tokens for e in (32, 128) for r in _router_rows(e, t)]
+    rows += [r for t in tokens if t > 1 for e in (32, 128) for r in _tiles_rows(e, t)]
     for label, us, ok, _ in rows + _combine_rows():
         print(f"{label:<62}{us:7.2f} us  {'ok' if ok else 'MISMATCH'}", flush=True)
     return 0

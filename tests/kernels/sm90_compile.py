@@ -380,6 +380,25 @@ def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = Tru
     compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
 
 
+def _router_tiles(tokens: int, experts: int):
+    """The router's K-split tiles: W streamed through cp.async into tensor-core products, no spills."""
+    import triton.language as tl
+
+    from gptoss_cli.kernels import moe_router_tiles as rt
+    from gptoss_cli.kernels.moe_routing import token_block
+
+    tiles = rt.RouterTiles()
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+                "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32"}
+    constexprs = {"TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_T": token_block(tokens, experts), "BLOCK_E": experts,
+                  "BLOCK_K": tiles.block_k, "SPLITS": 12, "DOT": tl.bfloat16, "PDL": True}
+    kernel = compile_sm90(rt._router_tiles_kernel, pointers, constexprs, tiles.num_warps, tiles.num_stages)
+    _no_spills(kernel, "router tiles")
+    loop = _loop_body(sass(kernel))
+    if "LDGSTS" not in loop or not ("HMMA" in loop or "HGMMA" in loop):
+        raise RuntimeError("router tiles: the K loop lacks cp.async (LDGSTS) or tensor-core products")
+
+
 CASES = {
     "combine-1-token": lambda: _combine(1),
     "combine-1-token-2-splits": lambda: _combine(2),
@@ -412,6 +431,8 @@ CASES = {
     "router-logits-norm-1-token": lambda: _router_topk(1, 32, norm=True, topk=False),
     "router-topk-norm-64-tokens": lambda: _router_topk(64, 32, norm=True),  # batch 64: a program per token
     "router-topk-norm-64-tokens-128-experts": lambda: _router_topk(64, 128, norm=True),
+    "router-tiles-64-tokens": lambda: _router_tiles(64, 32),
+    "router-tiles-64-tokens-128-experts": lambda: _router_tiles(64, 128),
     "combine-norm-1-token": _combine_norm,
     "rope-store-kv": _rope_store,
     "row-linear-2x4": lambda: _row_linear(2, 4),

@@ -8,7 +8,7 @@ out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
 
 moe_forward is the GPU path: router matmul (torch; or inside the top-k launch, moe_router.py, with
-MoeConfig.fused_router at T x E <= 512) -> route (moe_routing.py) -> grouped gemm1 +
+MoeConfig.fused_router at T x E <= 512, moe_router_tiles.py with MoeConfig.router_tiles) -> route (moe_routing.py) -> grouped gemm1 +
 SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py; at about one
 row per expert the matrix-vector kernels of moe_gemv.py replace the two grouped gemms). No step reads
 anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from . import moe_router
+from . import moe_router, moe_router_tiles
 from .moe_config import MoeConfig, pick_config, regime_config
 from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
 from .moe_group_mma import group_fits, moe_group_gemm1_swiglu, moe_group_gemm2
@@ -38,6 +38,7 @@ from .moe_matmul import (
 from .moe_routing import MoeRouting, route
 from .mxfp4 import dequantize_mxfp4
 from .rmsnorm import rms_norm
+from .skinny_linear import SkinnyScratch
 
 __all__ = [
     "MoeConfig",
@@ -122,6 +123,7 @@ class MoeWorkspace:
     act: torch.Tensor  # [max_tokens*K, I] activation dtype
     y: torch.Tensor  # [max_tokens*K, C] fp32
     router: moe_router.RouterScratch  # fused router (MoeConfig.fused_router)
+    router_tiles: SkinnyScratch  # MoeConfig.router_tiles
 
     @classmethod
     def allocate(
@@ -134,6 +136,7 @@ class MoeWorkspace:
             act=torch.empty((slots, w.intermediate), dtype=dtype, device=device),
             y=torch.empty((slots, w.hidden), dtype=torch.float32, device=device),
             router=moe_router.RouterScratch.allocate(w.num_experts, device),
+            router_tiles=moe_router_tiles.allocate_scratch(w.num_experts, w.hidden, device),
         )
 
     def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype,
@@ -271,6 +274,10 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
                                               sort=not cfg.gemv, scratch=scratch, norm=norm, topk=not late_topk)
         late_logits = scratch.logits if late_topk else None
         x = x if norm is None else norm.out
+    elif cfg.router_tiles and num_tokens <= moe_router_tiles.MAX_TOKENS:
+        with record_function("moe.router+route"):
+            routing = moe_router_tiles.route_tiles(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
+                                                   sort=not cfg.gemv, scratch=workspace.router_tiles if workspace else None)
     else:
         with record_function("moe.router"):
             # The same function as moe_ref, so the logits (and the chosen experts) match bit for bit.

@@ -76,6 +76,9 @@ class MoeConfig:
     # Router logits inside the top-k launch (moe_router.py) for T <= moe_router.MAX_TOKENS, instead
     # of F.linear + route (the cuBLAS split-K GEMM, its reduce kernel and the top-k kernel).
     fused_router: bool = False
+    # Router logits and top-k in one launch of tensor-core tiles split along K (moe_router_tiles.py)
+    # for T <= moe_router_tiles.MAX_TOKENS where fused_router is off, instead of F.linear + route.
+    router_tiles: bool = False
     # gemv with fused_router (T = 1): the router launch stops at the logits, and every gemv1
     # program takes the top-k and softmax of its token's logits itself (the slot's first program
     # stores them for gemv2), instead of the router's last program doing it after an arrival
@@ -276,7 +279,8 @@ def regime_config(regime: str, num_tokens: int, num_experts: int, top_k: int, fr
         tiles = {"block_m": 16, "block_n1": 64, "block_n2": 128, "block_k": 64, "num_warps": 2, "maxnreg": 128,
                  "split_k": 2 if per_expert <= 1 else 1} | _decode_tile_changes(per_expert, num_experts, group)
         fused_router = num_tokens * num_experts <= FUSED_ROUTER_SLOTS
-        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=fused_router, **tiles)
+        return MoeConfig("decode", num_stages=3, asm_dequant=True, fused_router=fused_router,
+                         router_tiles=not fused_router, **tiles)
     block_m = min(256, max(32, triton.next_power_of_2(math.ceil(per_expert))))
     if per_expert >= 128:
         # At ~128 rows per expert the routing's spread gives many experts a second, nearly empty

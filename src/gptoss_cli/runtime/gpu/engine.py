@@ -20,7 +20,7 @@ from ..checkpoint import ModelWeights
 from ..errors import RequestError
 from .kv_cache import KvCache, plan_kv_memory
 from .kv_manager import KvManager
-from .model import GpuModel
+from .model import GpuModel, SkinnyPlan
 from .preflight import check_device, kv_budget_bytes
 from .runner import DecodeLaunch, Runner
 from .scheduler import Scheduler
@@ -48,12 +48,17 @@ class GpuEngineConfig:
     # cache (kernels.qkv_rope), one launch less per layer. H200, 20b batch 1: 539 -> 552 tok/s
     # (docs/performance.md, session 11).
     fused_qkv_rope: bool = True
-    # Steps of 2 to this many tokens (at most kernels.skinny_linear.MAX_TOKENS) project qkv and o in
-    # kernels.skinny_linear instead of cuBLAS (decode qkv with RoPE and the K/V store fused, as
-    # fused_qkv_rope says); 0: cuBLAS. H200, 20b ms per step: batch 2 2.667 -> 2.530, 16 4.859 ->
-    # 4.706, 32 5.637 -> 5.507; batch 64 6.000 -> 6.091 stays on cuBLAS (docs/performance.md,
-    # session 27).
+    # Steps of 2 to this many tokens (at most kernels.skinny_linear.MAX_TOKENS) project o (and a
+    # short prompt chunk's qkv) in kernels.skinny_linear instead of cuBLAS; 0: cuBLAS. H200, 20b ms
+    # per step with qkv there too: batch 2 2.667 -> 2.530, 16 4.859 -> 4.706, 32 5.637 -> 5.507;
+    # batch 64 6.000 -> 6.091 stays on cuBLAS (docs/performance.md, session 27).
     skinny_tokens: int = 32
+    # The same for the decode qkv projection, with RoPE and the K/V store fused (as fused_qkv_rope
+    # says); from skinny_qkv_unsplit_from tokens (0: never) in one K split, 80 programs of 64 rows.
+    # H200 kernel bench (session 27), qkv us per layer, split / one split / cuBLAS + rope: T=16
+    # 11.30 / 10.72 / 14.30, T=32 12.54 / 11.15 / 14.47, T=64 15.79 / 12.51 / 14.75.
+    skinny_qkv_tokens: int = 64
+    skinny_qkv_unsplit_from: int = 8
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
     # overlaps the GPU (tokens reach the caller one step later). H200, 20b: batch 64 8.17 -> 7.53
     # ms per step, batch 1 ~1.90 -> 1.85 ms (docs/performance.md, session 7).
@@ -74,8 +79,9 @@ class GpuEngineConfig:
             raise ValueError("block_size must be a power of two in 16..256")
         if not 0.1 <= self.memory_fraction <= 0.99:
             raise ValueError("memory_fraction must be in [0.1, 0.99]")
-        if not 0 <= self.skinny_tokens <= SKINNY_MAX_TOKENS:
-            raise ValueError(f"skinny_tokens must be in 0..{SKINNY_MAX_TOKENS}")
+        for name in ("skinny_tokens", "skinny_qkv_tokens"):
+            if not 0 <= getattr(self, name) <= SKINNY_MAX_TOKENS:
+                raise ValueError(f"{name} must be in 0..{SKINNY_MAX_TOKENS}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be bfloat16 or float32")
 
@@ -98,7 +104,8 @@ class GpuEngine(Engine):
         self.scheduler = Scheduler(self.kv, opts.max_batch, opts.max_step_tokens)
         on_cuda = torch.device(device).type == "cuda"
         model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
-                         opts.fused_qkv_rope, opts.skinny_tokens)
+                         opts.fused_qkv_rope,
+                         SkinnyPlan(opts.skinny_tokens, opts.skinny_qkv_tokens, opts.skinny_qkv_unsplit_from))
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

@@ -9,6 +9,7 @@ hidden, H query heads, Hkv KV heads, D head dim, R rows that need logits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ...kernels import (MoeWorkspace, SkinnyScratch, apply_rope_qkv, decode_attention, kv_store, moe_block, moe_forward,
                         prefill_attention, qkv_rope_store, qkv_rope_store_tokens, rms_norm, rope_cos_sin, row_linear,
                         skinny_linear, supports_qkv_rope_tokens, supports_row_linear, supports_skinny_linear)
+from ...kernels.skinny_linear import SkinnyTiles, default_tiles
 from .kv_cache import KvCache
 from .weights import GpuWeights, LayerWeights
 
@@ -38,14 +40,31 @@ class ForwardBatch:
     max_ctx_len: int = 0
 
 
+@dataclass(frozen=True)
+class SkinnyPlan:
+    """Which projections of 2 or more tokens run in kernels.skinny_linear rather than cuBLAS
+    (GpuEngineConfig's skinny_* fields say why): up to `tokens` tokens (o-proj, and the qkv of
+    short prompt chunks), decode qkv with RoPE and the K/V store up to `qkv_tokens`, in one K split
+    from `qkv_unsplit_from` tokens (0: split as skinny_linear plans)."""
+
+    tokens: int = 0
+    qkv_tokens: int = 0
+    qkv_unsplit_from: int = 0
+
+    def qkv_tiles(self, num_tokens: int) -> SkinnyTiles:
+        tiles = default_tiles()
+        unsplit = 0 < self.qkv_unsplit_from <= num_tokens
+        return dataclasses.replace(tiles, splits=1) if unsplit else tiles
+
+
 class GpuModel:
     def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
-                 use_row_linear: bool = True, fused_qkv_rope: bool = False, skinny_tokens: int = 0):
+                 use_row_linear: bool = True, fused_qkv_rope: bool = False, skinny: SkinnyPlan = SkinnyPlan()):
         self.w = weights
         self.use_row_linear = use_row_linear
         self.fused_qkv_rope = use_row_linear and fused_qkv_rope
         self.cfg = cfg = weights.config
-        self.skinny_tokens = skinny_tokens
+        self.skinny = skinny
         self.skinny_qkv_rope = fused_qkv_rope and supports_qkv_rope_tokens(cfg.head_dim)
         self.kv = kv
         device = weights.embed.device
@@ -86,9 +105,9 @@ class GpuModel:
         heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         if b.decode and self.fused_qkv_rope and supports_row_linear(h, layer.qkv_w):
             qkv = qkv_rope_store(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc, slots)
-        elif b.decode and self.skinny_qkv_rope and supports_skinny_linear(h, self.skinny_tokens):
+        elif b.decode and self.skinny_qkv_rope and supports_skinny_linear(h, self.skinny.qkv_tokens):
             qkv = qkv_rope_store_tokens(h, layer.qkv_w, layer.qkv_b, b.positions, self.cos, self.sin, *heads, kc, vc,
-                                        slots, scratch=self.skinny_scratch)
+                                        slots, tiles=self.skinny.qkv_tiles(t), scratch=self.skinny_scratch)
         else:
             qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
             # Decode stores K/V in the rope launch. A prompt chunk stores after its attention: the
@@ -110,6 +129,6 @@ class GpuModel:
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.use_row_linear and supports_row_linear(x, w):
             return row_linear(x, w, b)
-        if supports_skinny_linear(x, self.skinny_tokens):
+        if supports_skinny_linear(x, self.skinny.tokens):
             return skinny_linear(x, w, b, scratch=self.skinny_scratch)
         return torch.addmm(b, x, w.T)
