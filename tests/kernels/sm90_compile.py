@@ -391,7 +391,7 @@ def _router_tiles(tokens: int, experts: int):
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                 "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32"}
     constexprs = {"TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_T": token_block(tokens, experts), "BLOCK_E": experts,
-                  "BLOCK_K": tiles.block_k, "SPLITS": 12, "DOT": tl.bfloat16, "PDL": True}
+                  "BLOCK_K": tiles.block_k, "SPLITS": 6, "DOT": tl.bfloat16, "PDL": True}
     kernel = compile_sm90(rt._router_tiles_kernel, pointers, constexprs, tiles.num_warps, tiles.num_stages)
     _no_spills(kernel, "router tiles")
     loop = _loop_body(sass(kernel))

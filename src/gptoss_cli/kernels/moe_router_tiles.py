@@ -34,11 +34,14 @@ MAX_TOKENS = 64  # decode-sized steps (GpuEngineConfig.max_batch's default); abo
 
 @dataclass(frozen=True)
 class RouterTiles:
-    """Launch shape: K step, K steps per split, pipeline depth, warps."""
+    """Launch shape: K step, K steps per split, pipeline depth, warps. The default was the best
+    compromise of bench_router's sweep (H200, session 28, us at 32 / 64 tokens): 20b 5.04 / 5.13
+    (best 4.83 / 4.83 with one 256-column step per split), 120b 6.76 / 6.76 (best 6.55 / 6.65 with
+    4 steps of 64); 2 steps of 128 per split took 5.18-5.21 / 6.80-6.86."""
 
     block_k: int = 128
-    steps_per_split: int = 2
-    num_stages: int = 2
+    steps_per_split: int = 4
+    num_stages: int = 3
     num_warps: int = 4
 
 

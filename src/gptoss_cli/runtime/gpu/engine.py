@@ -56,7 +56,9 @@ class GpuEngineConfig:
     # The same for the decode qkv projection, with RoPE and the K/V store fused (as fused_qkv_rope
     # says); from skinny_qkv_unsplit_from tokens (0: never) in one K split, 80 programs of 64 rows.
     # H200 kernel bench (session 27), qkv us per layer, split / one split / cuBLAS + rope: T=16
-    # 11.30 / 10.72 / 14.30, T=32 12.54 / 11.15 / 14.47, T=64 15.79 / 12.51 / 14.75.
+    # 11.30 / 10.72 / 14.30, T=32 12.54 / 11.15 / 14.47, T=64 15.79 / 12.51 / 14.75. Engine, 20b ms
+    # per step (session 28): batch 64 6.055 -> 5.991 (qkv here); batches 8-32 unchanged by the one
+    # split (3.994 / 4.735 / 5.518 either way).
     skinny_qkv_tokens: int = 64
     skinny_qkv_unsplit_from: int = 8
     # Steady decode queues the next graph replay before reading this one's tokens, so host work
