@@ -7,11 +7,12 @@ expert e: h = x @ W1_e^T + b1_e (2I values, even = gate, odd = up, interleaved);
 out = sum over the k chosen experts of w_e * y_e (the weight multiplies the bias too).
 Dimension legend: T tokens, C hidden, E experts, K experts per token, I intermediate.
 
-moe_forward is the GPU path: router matmul (torch; or inside the top-k launch, moe_router.py, with
-MoeConfig.fused_router at T x E <= 512, moe_router_tiles.py with MoeConfig.router_tiles) -> route (moe_routing.py) -> grouped gemm1 +
-SwiGLU -> grouped gemm2 + bias, routing-weight scaling -> combine (moe_matmul.py; at about one
-row per expert the matrix-vector kernels of moe_gemv.py replace the two grouped gemms). No step reads
-anything back to the host and all sizes depend on T only, so a fixed-T forward is CUDA-graph safe.
+moe_forward is the GPU path: router matmul (torch; or inside the top-k launch: moe_router.py with
+MoeConfig.fused_router at T x E <= 512, moe_router_tiles.py with MoeConfig.router_tiles above) ->
+route (moe_routing.py) -> grouped gemm1 + SwiGLU -> grouped gemm2 + bias, routing-weight scaling ->
+combine (moe_matmul.py; at about one row per expert the matrix-vector kernels of moe_gemv.py replace
+the two grouped gemms). No step reads anything back to the host and all sizes depend on T only,
+so a fixed-T forward is CUDA-graph safe.
 """
 
 from __future__ import annotations
