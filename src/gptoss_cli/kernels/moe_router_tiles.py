@@ -69,12 +69,9 @@ def allocate_scratch(num_experts: int, hidden: int, device: torch.device | str,
                      tiles: RouterTiles | None = None) -> SkinnyScratch:
     """Partials and arrival counters for launches of up to MAX_TOKENS tokens."""
     tiles = tiles or default_tiles()
-    need, counters = 1, 1
-    for t in range(1, MAX_TOKENS + 1):
-        block_t, blocks, splits, _ = _plan(t, num_experts, hidden, tiles)
-        need = max(need, blocks * splits * _expert_block(num_experts) * max(block_t, MIN_BLOCK))
-        counters = max(counters, blocks)
-    return SkinnyScratch.allocate(need, counters, device)
+    # Up to 1,024 tokens the routing's token blocks are 16 tokens: MAX_TOKENS needs the most.
+    block_t, blocks, splits, _ = _plan(MAX_TOKENS, num_experts, hidden, tiles)
+    return SkinnyScratch.allocate(blocks * splits * _expert_block(num_experts) * block_t, blocks, device)
 
 
 @triton.jit
