@@ -15,7 +15,7 @@ import tempfile
 import traceback
 
 FLOAT_ARGS = {"limit", "alpha", "qk_scale", "eps"}
-DIV16_ARGS = {"hidden", "inter", "n", "k", "k_per_split"}
+DIV16_ARGS = {"hidden", "inter", "n", "k", "k_per_split", "k_chunk"}
 
 
 def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
@@ -452,6 +452,7 @@ CASES = {
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),
     "gemv2-mma-2-pairs": lambda: _gemv("gemv2", 64, 256, mma=True),
     "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
+    "gemv2-mma-k256-ahead-2": lambda: _gemv("gemv2", 32, 256, mma=True, ahead=2),  # split K: 736 per split
     "group-gemm1": lambda: _group("gemm1", 32, 128),  # pick_config's at <= 2 rows per expert (32 experts)
     "group-gemm2": lambda: _group("gemm2", 64, 128),
     "group-gemm1-k256": lambda: _group("gemm1", 32, 256),

@@ -428,6 +428,37 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
+@pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
+                         ids=["plain", "f16"])
+@pytest.mark.parametrize("inter,split_k", [(96, 2), (96, 3), (160, 3), (224, 4)])
+def test_gemv2_split_k_slabs_sum_to_the_twin(device, config, inter, split_k):
+    # MoeConfig.split_k for gemv2: K in whole 32-value blocks per split (160 / 3: 64, 64, 32; 96 / 2:
+    # 64 and a half-masked K step of 32), bias added once; the slabs sum to gemm2's twin, the combine
+    # adds them, and the whole forward equals moe_ref.
+    experts, hidden, top_k, tokens = 4, 96, 4, 2
+    raw = _raw_weights(experts, hidden, inter, device)
+    w = prepare_moe_weights(*raw)
+    config = dataclasses.replace(config, split_k=split_k)
+    r = route(torch.randn(tokens, experts, device=device), top_k, config.block_m)
+    act = moe_gemm1_swiglu_ref(torch.randn(tokens, hidden, device=device), r, w, 7.0, 1.702)
+    y = moe_gemv2(act[r.slot_rows.long()], r, w, config)
+    slots = tokens * top_k
+    assert y.shape == (split_k * slots, hidden)
+    assert_close(y.view(split_k, slots, hidden).sum(0), moe_gemm2_ref(act, r, w), _tol(torch.float32, device),
+                 "gemv2 slabs")
+    x = torch.randn(tokens, hidden, device=device)
+    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    got = moe_forward(x, rw, rb, w, top_k, config=config)
+    assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "split gemv2 forward vs moe_ref")
+
+
+def test_gemv2_split_k_needs_a_block_per_split(device):
+    w = prepare_moe_weights(*_raw_weights(4, 64, 64, device))
+    r = route(torch.randn(1, 4, device=device), 4, 16)
+    with pytest.raises(ValueError, match="cannot be split 3 ways"):
+        moe_gemv2(torch.randn(4, 64, device=device), r, w, dataclasses.replace(GEMV, split_k=3))
+
+
 @pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 300, 4), (2, 5, 64, 2), (3, 8, 520, 3),
                                                         (4, 128, 96, 4), (4, 32, 2500, 4), (13, 6, 136, 2),
                                                         (64, 32, 160, 4)])
@@ -837,12 +868,16 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
 
 @requires_gpu
 @pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
-def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
+@pytest.mark.parametrize("gemv2", [{}, {"block_n2": 32, "split_k": 4, "block_k2": 256},
+                                   {"block_n2": 32, "split_k": 2, "block_k2": 512}],
+                         ids=["default", "mma-split-4", "mma-split-2"])
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, gemv2):
     # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
-    # must redo its rows in fp32 and still match the twin.
+    # must redo its rows in fp32 and still match the twin. gemv2 also on the tensor cores with K split
+    # (32-row programs: one pair of tiles; 2,880 / 4 = 736, 736, 736, 672 values per split).
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
-    config = pick_config(1, experts, top_k)
+    config = dataclasses.replace(pick_config(1, experts, top_k), **gemv2)
     assert config.gemv and config.gemv_f16
     x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
     r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)
@@ -851,7 +886,7 @@ def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale):
     assert torch.isfinite(act.float()).all()
     assert rel_err(act, want[r.slot_rows.long()]) < 1e-2
     y = moe_gemv2(want[r.slot_rows.long()], r, w, config)
-    assert rel_err(y, moe_gemm2_ref(want, r, w)) < 1e-2
+    assert rel_err(y.view(config.split_k, -1, hidden).sum(0), moe_gemm2_ref(want, r, w)) < 1e-2
 
 
 @requires_gpu

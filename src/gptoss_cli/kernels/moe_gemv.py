@@ -293,7 +293,7 @@ def _gemv1_swiglu_kernel(
 @triton.jit
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter,
+    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter, k_chunk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
     ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1, MMA_AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
@@ -301,32 +301,49 @@ def _gemv2_kernel(
     slot, expert = _slot_expert(topk_ids_ptr)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
-    act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at
-    acc = _row_dots(act_row, w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok, inter,
-                    stride_wn, stride_sg, hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA,
-                    MMA_SPLITS, MMA_AHEAD)
-    # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4).
-    y = (acc + tl.load(bias_ptr + expert * hidden + rows, mask=ok, other=0.0)) * tl.load(gamma_ptr + slot)
-    tl.store(y_ptr + slot.to(tl.int64) * stride_yt + rows, y, mask=ok)
+    # Split K (grid axis 2, MoeConfig.split_k): k_chunk values per split, a multiple of 32 (whole
+    # blocks); split s writes slab s of y, which moe_combine sums.
+    split = tl.program_id(2)
+    k_lo = split * k_chunk
+    act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at + k_lo
+    w_base = w_ptr + expert * stride_we + (k_lo // 32) * (BLOCK_BYTES * ROW_GROUP)
+    s_base = s_ptr + expert * stride_se + (k_lo // 32) * stride_sg
+    acc = _row_dots(act_row, w_base, s_base, rows, ok, tl.minimum(k_chunk, inter - k_lo), stride_wn, stride_sg,
+                    hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD)
+    # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
+    bias = tl.load(bias_ptr + expert * hidden + rows, mask=ok & (split == 0), other=0.0)
+    y = (acc + bias) * tl.load(gamma_ptr + slot)
+    y_row = (split * tl.num_programs(0) + slot).to(tl.int64)
+    tl.store(y_ptr + y_row * stride_yt + rows, y, mask=ok)
 
 
 def _checked_output(config: MoeConfig, routing: MoeRouting, a: torch.Tensor, name: str, shape_in: tuple,
-                    cols_out: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    """Check a gemv call's config, routing and input `a` (`shape_in`); the [S, cols_out] output."""
-    if not config.gemv or config.split_k != 1:
-        raise ValueError(f"the gemv kernels need a MoeConfig with gemv=True and no split-K, got {config}")
+                    cols_out: int, dtype: torch.dtype, out: torch.Tensor | None, slabs: int = 1) -> torch.Tensor:
+    """Check a gemv call's config, routing and input `a` (`shape_in`); the [slabs * S, cols_out] output."""
+    if not config.gemv:
+        raise ValueError(f"the gemv kernels need a MoeConfig with gemv=True, got {config}")
     if routing.topk_ids.stride(-1) != 1 or routing.topk_weights.stride(-1) != 1:
         raise ValueError("routing top-k tensors must be contiguous")
     _check_activation(a, *shape_in, name)
-    return _out_buffer(out, (routing.num_tokens * routing.top_k, cols_out), dtype, a)
+    return _out_buffer(out, (slabs * routing.num_tokens * routing.top_k, cols_out), dtype, a)
 
 
-def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int, n: int, block_k: int) -> dict:
+def k_chunk(k: int, splits: int) -> int:
+    """Values of K per split of gemv2 (whole 32-value blocks); the last split takes what is left."""
+    chunk = triton.cdiv(triton.cdiv(k, splits), 32) * 32
+    if (splits - 1) * chunk >= k:
+        raise ValueError(f"gemv2: K = {k} cannot be split {splits} ways into whole 32-value blocks")
+    return chunk
+
+
+def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int, n: int, block_k: int,
+                    k: int | None = None) -> dict:
     """The launch arguments both gemv kernels take from the config, their input `a` (K = its
-    width), the weights, their `rows` per program, `n` rows in all and K step."""
+    width, or k: the shortest K range of a program), the weights, their `rows` per program, `n`
+    rows in all and K step."""
     asm = _dot_scaled_format(config, a.dtype) == "asm"
     f16 = asm and config.gemv_f16
-    splits, ahead = (mma_plan(w.row_group, n, a.shape[1], rows, block_k, config.num_warps, config.gemv_ahead)
+    splits, ahead = (mma_plan(w.row_group, n, k or a.shape[1], rows, block_k, config.num_warps, config.gemv_ahead)
                      if f16 and config.gemv_mma else (0, 1))
     return {**pdl_launch(pdl_enabled(a)), "BLOCK_K": block_k, "ASM": asm, "F16": f16, "MMA": splits > 0,
             "MMA_SPLITS": max(splits, 1), "MMA_AHEAD": ahead,
@@ -366,15 +383,21 @@ def moe_gemv1_swiglu(
 def moe_gemv2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights."""
+    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights. With
+    config.split_k = P > 1: y [P*S, C], P slabs of partial sums over K ranges (moe_combine(splits=P)
+    adds them), P times the programs for a kernel that runs out of programs per SM at one token."""
     slots = routing.num_tokens * routing.top_k
-    y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out)
+    splits = config.split_k
+    y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out, splits)
     if y.shape[0] == 0:
         return y
-    _gemv2_kernel[(y.shape[0], triton.cdiv(w.hidden, config.block_n2))](
+    chunk = k_chunk(w.intermediate, splits)
+    shortest = w.intermediate - (splits - 1) * chunk
+    _gemv2_kernel[(slots, triton.cdiv(w.hidden, config.block_n2), splits)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
-        y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate,
-        BLOCK_N=config.block_n2, **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k),
+        y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate, chunk,
+        BLOCK_N=config.block_n2,
+        **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest),
     )  # fmt: skip
     return y
