@@ -47,7 +47,7 @@ class MoeConfig:
     fast_math: bool = False  # tl.dot_scaled's fast_math
     # GPU, bf16 activations, mma.sync tiles (block_m < 64): _dequant_mxfp4_bf16; the interpreter ignores it.
     asm_dequant: bool = False
-    # Decode, gemm2 only: cut K into split_k chunks, each its own program, for more loads in
+    # Decode, gemm2 / gemv2 only: cut K into split_k chunks, each its own program, for more loads in
     # flight; the combine adds the partial slabs. H200, 20b T=1: gemm2 25.5 -> 18.8 us with 2
     # splits. (gemm1 was slower split, 34.4 -> 38.8 us, and no longer has the option.)
     split_k: int = 1
@@ -217,13 +217,15 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # block columns split over 2 warps per pair of tiles; engine 576.4 -> 590.0 tok/s (120b 387.6
         # -> 391.3). Session 23: each lane keeps one row's sum and loads its scale byte coalesced, and
         # the loads run 2 K steps ahead (94 registers): 590.4 -> 596.8-598.1 tok/s (3 ahead: 594.0).
-        # gemv2 stays packed fp16 on 8 rows and K steps of 512: its mma form needs 32-row programs,
-        # and those cost the engine 7-8 % (538.7 tok/s in session 22, 550.0 in session 23) although
-        # bench_moe has them even.
+        # gemv2 on the tensor cores too, with K split in two (session 29): its mma form needs 32-row
+        # programs, 360 of them over the whole K cost the engine 7-8 % against packed fp16 on 8 rows
+        # (sessions 22-23); split_k 2 gives 720 programs, each K step 512, the combine adding the two
+        # slabs. profile_decode, 20b batch 1: 1.731 / 1.736 -> 1.670 ms per step (one call), 1.733 ->
+        # 1.674 (another); 120b 2.625 -> 2.539. Split in 3 with K steps of 256: 1.673; 4: 1.699.
         wide = 64 if is_interpreted() else 0
-        return MoeConfig("decode", 16, wide or 32, wide or 8, 512 if wide else 256, num_warps=4, num_stages=3,
+        return MoeConfig("decode", 16, wide or 32, wide or 32, 512 if wide else 256, num_warps=4, num_stages=3,
                          asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,
-                         gemv_mma=True, gemv_ahead=2, block_k2=512)
+                         gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
                          num_experts, top_k, frag_scales)
 
