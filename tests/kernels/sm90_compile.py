@@ -199,7 +199,8 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
           experts: int = 0, mma: bool = False, ahead: int = 1):
-    """experts > 0: gemv1 taking the top-k from that many router logits (MoeConfig.gemv_topk). The
+    """experts > 0: the gemv taking the top-k from that many router logits (MoeConfig.gemv_topk,
+    gemv2_topk). The
     weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group); with `mma`
     (MoeConfig.gemv_mma) they are 4-byte words of mma fragments, the K loop must hold the
     tensor-core instructions, and ptxas must not spill the software-pipelined registers."""
@@ -218,8 +219,11 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
         kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers, {"TOP_K": 4, **common, **logits}, num_warps)
     else:
-        pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32"}
-        kernel = compile_sm90(mg._gemv2_kernel, pointers, common, num_warps)
+        pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32", "logits_ptr": "*fp32"}
+        logits = {"LOGITS": True, "TOP_K": 4, "BLOCK_TK": 4, "BLOCK_E": experts} if experts else {}
+        kernel = compile_sm90(mg._gemv2_kernel, pointers, common | logits, num_warps)
+        if experts and mma:
+            _loads_before_wait(kernel)
     if mma:
         if "HMMA.16816.F32" not in _loop_body(sass(kernel)):
             raise RuntimeError(f"{which}: no mma in the K loop")
@@ -228,6 +232,19 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
     elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
+
+
+def _loads_before_wait(kernel) -> None:
+    """gemv2 with the top-k from the router logits (MoeConfig.gemv2_topk): weight loads (32-bit LDG,
+    plain: ptxas hoists the wait above read-only ones) must be issued before the PDL wait
+    (ACQBULK), and no activation load (128-bit) before it."""
+    listing = sass(kernel)
+    wait = listing.find("ACQBULK")
+    if wait < 0:
+        raise RuntimeError("gemv2: no PDL wait")
+    before = listing[:wait]
+    if not re.search(r"LDG\.E R", before) or re.search(r"LDG\.E\.128 ", before):
+        raise RuntimeError("gemv2: the weight loads do not all precede the PDL wait, or an activation load does")
 
 
 def _group(which: str, block_n: int, block_k: int, num_warps: int = 4, ahead: int = 2):
@@ -449,10 +466,13 @@ CASES = {
     "gemv1-mma-ahead-2": lambda: _gemv("gemv1", 32, 256, experts=32, mma=True, ahead=2),
     "gemv1-mma-1-pair": lambda: _gemv("gemv1", 16, 512, experts=32, mma=True),
     "gemv1-mma-topk-128-experts": lambda: _gemv("gemv1", 32, 256, experts=128, mma=True),
+    "gemv1-mma-1-pair-ahead-2": lambda: _gemv("gemv1", 16, 256, experts=32, mma=True, ahead=2),  # pick_config's
     "gemv2-mma": lambda: _gemv("gemv2", 32, 256, mma=True),
     "gemv2-mma-2-pairs": lambda: _gemv("gemv2", 64, 256, mma=True),
     "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
     "gemv2-mma-k256-ahead-2": lambda: _gemv("gemv2", 32, 256, mma=True, ahead=2),  # split K: 736 per split
+    "gemv2-mma-k512-ahead-2-topk": lambda: _gemv("gemv2", 32, 512, experts=32, mma=True, ahead=2),
+    "gemv2-mma-k512-ahead-1-topk-128": lambda: _gemv("gemv2", 32, 512, experts=128, mma=True),
     "group-gemm1": lambda: _group("gemm1", 32, 128),  # pick_config's at <= 2 rows per expert (32 experts)
     "group-gemm2": lambda: _group("gemm2", 64, 128),
     "group-gemm1-k256": lambda: _group("gemm1", 32, 256),

@@ -550,6 +550,17 @@ def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
         assert_close(got_r.topk_weights, want_r.topk_weights, 1e-6, "routing weights")
         assert_close(late, early, 1e-6, "late vs early top-k")
     assert_close(late, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "late top-k vs moe_ref")
+    # MoeConfig.gemv2_topk: gemv2 takes the same top-k from the logits (before its PDL wait on a GPU).
+    want_y = moe_gemv2(act, want_r, w, config)
+    got_r.topk_ids.fill_(-1)
+    got_r.topk_weights.fill_(float("nan"))
+    got_y = moe_gemv2(act, got_r, w, config, logits=scratch.logits)
+    both = moe_forward(x, rw, rb, w, top_k, config=dataclasses.replace(config, gemv_topk=True, gemv2_topk=True))
+    if exact:
+        assert torch.equal(got_y, want_y) and torch.equal(both, late)
+    else:  # the router's top-k and the gemv's may round a weight differently in the last bit
+        assert_close(got_y, want_y, 1e-6, "gemv2 top-k from logits")
+        assert_close(both, late, 1e-6, "both gemvs' top-k from logits")
 
 
 def test_gemv_topk_arguments_are_checked(device):
@@ -868,17 +879,18 @@ def test_bf16_dequantisation_is_exact_over_the_scale_range(config, max_scale):
 
 @requires_gpu
 @pytest.mark.parametrize("x_scale", [1.0, 30000.0], ids=["normal", "fp16-overflow"])
-@pytest.mark.parametrize("gemv2", [{}, {"block_n2": 32, "split_k": 4, "block_k2": 256},
-                                   {"block_n2": 8, "split_k": 1}],
-                         ids=["default", "mma-split-4", "packed-fp16"])
-def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, gemv2):
+@pytest.mark.parametrize("change", [{}, {"block_n2": 32, "split_k": 4, "block_k2": 256},
+                                    {"block_n2": 8, "split_k": 1, "block_n1": 32}],
+                         ids=["default", "mma-split-4", "packed-fp16-64-rows"])
+def test_gemv_f16_matches_twin_and_falls_back_on_overflow(x_scale, change):
     # |x| ~ 30000 overflows fp16 (x itself beyond 65504, block sums of 16 products up to 6|x|): the program
-    # must redo its rows in fp32 and still match the twin. gemv2 as pick_config runs it (tensor cores,
-    # 32-row programs, K split in two), split in four (2,880 = 736 x 3 + 672 values) and in its packed
-    # fp16 form on 8 rows over the whole K (the default until session 29).
+    # must redo its rows in fp32 and still match the twin. Both gemvs as pick_config runs them (tensor
+    # cores, 32-row programs; gemv2's K split in two), gemv2 split in four (2,880 = 736 x 3 + 672
+    # values) and in its packed fp16 form on 8 rows over the whole K (the default until session 29)
+    # with gemv1 on 64-row programs (the default until session 30).
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
-    config = dataclasses.replace(pick_config(1, experts, top_k), **gemv2)
+    config = dataclasses.replace(pick_config(1, experts, top_k), **change)
     assert config.gemv and config.gemv_f16
     x = (torch.randn(1, hidden, device="cuda") * x_scale).to(torch.bfloat16)
     r = route(torch.randn(1, experts, device="cuda"), top_k, config.block_m)
@@ -942,6 +954,31 @@ def test_cuda_graph_replay_matches_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_forward(x.clone(), rw, rb, w, top_k))
+
+
+@requires_gpu
+@pytest.mark.parametrize("gemv2_topk", [True, False], ids=["gemv2-topk", "gemv2-topk-off"])
+def test_one_token_moe_graph_replays_match_eager(gemv2_topk):
+    # gemv2 with its own top-k (MoeConfig.gemv2_topk) reads the router's logits and issues its first
+    # weight loads before its PDL wait: replayed in a CUDA graph with new inputs, every replay must
+    # give eager's bits (the same kernels in the same order).
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    config = dataclasses.replace(pick_config(1, experts, top_k), gemv2_topk=gemv2_topk)
+    ws = MoeWorkspace.allocate(1, w, top_k, torch.bfloat16, "cuda")
+    x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(x, rw, rb, w, top_k, workspace=ws, config=config)
+    bad = 0
+    for _ in range(50):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        bad += not torch.equal(out, moe_forward(x.clone(), rw, rb, w, top_k, config=config))
+    assert bad == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

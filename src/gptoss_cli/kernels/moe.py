@@ -295,5 +295,6 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
-        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None)
+        late = {"logits": late_logits} if cfg.gemv and cfg.gemv2_topk else {}
+        y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None, **late)
     return y, cfg

@@ -87,6 +87,9 @@ class MoeConfig:
     # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
     # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
+    # gemv_topk: gemv2 takes the top-k from the same logits too, before its PDL wait (they come from
+    # two launches back), and issues its first weight loads while gemv1 still runs.
+    gemv2_topk: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
     # For prefill tiles; not with use_dot_scaled.
@@ -222,10 +225,15 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # (sessions 22-23); split_k 2 gives 720 programs, each K step 512, the combine adding the two
         # slabs. profile_decode, 20b batch 1: 1.731 / 1.736 -> 1.670 ms per step (one call), 1.733 ->
         # 1.674 (another); 120b 2.625 -> 2.539. Split in 3 with K steps of 256: 1.673; 4: 1.699.
+        # gemv2 with its own top-k before its PDL wait (gemv2_topk, session 30): 1.692 -> 1.658 ms;
+        # with it, gemv1 on 32-row programs (720 of them; 64 registers against 94) 1.665 -> 1.643
+        # (without it 32 rows were even, sessions 23 and 30). Both: 20b 1.691 -> 1.644 ms, 120b
+        # 2.585 -> 2.462. gemv1 split along K (two 64-row K ranges, the last to arrive running the
+        # SwiGLU) was slower: 1.663 -> 1.717.
         wide = 64 if is_interpreted() else 0
-        return MoeConfig("decode", 16, wide or 32, wide or 32, 512 if wide else 256, num_warps=4, num_stages=3,
+        return MoeConfig("decode", 16, wide or 16, wide or 32, 512 if wide else 256, num_warps=4, num_stages=3,
                          asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,
-                         gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2)
+                         gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2, gemv2_topk=True)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
                          num_experts, top_k, frag_scales)
 

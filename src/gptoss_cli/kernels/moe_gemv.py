@@ -22,6 +22,13 @@ block sum that overflows fp16 (|x| beyond ~680) makes the program redo its rows 
 MMA (MoeConfig.gemv_mma, where the shapes fit): the K loop runs on the tensor cores instead
 (moe_gemv_mma.py); the kernels, their epilogues and the fp32 fallback stay the same.
 
+gemv2's own top-k (MoeConfig.gemv2_topk, with gemv1's gemv_topk): gemv2 takes its slot's expert and
+routing weight from the router logits too, which come from two launches back, so it may read them
+before its PDL wait (pdl.py) and have its first two K steps of weights in flight while gemv1 still
+runs, instead of waiting for gemv1 to finish before it can even read which expert it streams.
+The mma form's first loads are plain loads (moe_gemv_mma._load_asm): ptxas hoists the wait above
+read-only ones. H200, batch-1 step (session 30): 20b 1.692 -> 1.658 ms.
+
 Split K (MoeConfig.split_k, gemv2 only: gemv1's SwiGLU needs whole sums): each program takes one
 K range of whole 32-value blocks and writes its slab of y; moe_combine adds the slabs. The mma form
 needs 32-row programs, and over the whole K that is 360 programs for 20b's batch-1 gemv2, too few
@@ -207,18 +214,21 @@ def _mx_gemv(
 def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, n_rows,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
-    MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr,
+    MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr, WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
     (moe_gemv_mma.py; only with F16), else packed fp16 when F16; either redone in fp32 if an fp16
-    value overflowed."""
+    value overflowed. WAIT: the PDL wait is still to come (the mma form issues its first weight
+    loads before it)."""
     if MMA:
         acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
-                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD)
+                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT)
     elif F16:
+        wait_for_previous(WAIT)
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
                            ROW_GROUP)
     else:
+        wait_for_previous(WAIT)
         acc = _mx_gemv(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K, ASM,
                        ROW_GROUP)
     if F16:
@@ -245,11 +255,10 @@ def _slot_expert(topk_ids_ptr):
 
 
 @triton.jit
-def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_experts, TOP_K: tl.constexpr,
-                             BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """_slot_expert with the routing done here (moe_routing.topk_softmax_row on the token's router
-    logits); the slot's first column-block program stores it as the routing's top-k tensors for
-    the launches after."""
+def _slot_route(logits_ptr, stride_lt, num_experts, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr,
+                BLOCK_E: tl.constexpr):
+    """(slot, expert, routing weight) of this program's row from its token's router logits
+    (moe_routing.topk_softmax_row; grid axis 0 = slot)."""
     slot = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < num_experts
@@ -258,11 +267,19 @@ def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_ex
                   cache_modifier=".cg")
     probs, ids = topk_softmax_row(row, cols, col_ok, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
     mine = tl.arange(0, BLOCK_TK) == slot % TOP_K
-    expert = tl.sum(tl.where(mine, ids, 0))
+    return slot, tl.sum(tl.where(mine, ids, 0)).to(tl.int64), tl.sum(tl.where(mine, probs, 0.0))
+
+
+@triton.jit
+def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_experts, TOP_K: tl.constexpr,
+                             BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_slot_expert with the routing done here (_slot_route); the slot's first column-block program
+    stores it as the routing's top-k tensors for the launches after."""
+    slot, expert, weight = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
     if tl.program_id(1) == 0:
         tl.store(ids_ptr + slot, expert.to(ids_ptr.dtype.element_ty))
-        tl.store(weights_ptr + slot, tl.sum(tl.where(mine, probs, 0.0)))
-    return slot, expert.to(tl.int64)
+        tl.store(weights_ptr + slot, weight)
+    return slot, expert
 
 
 @triton.jit
@@ -299,12 +316,22 @@ def _gemv1_swiglu_kernel(
 @triton.jit
 def _gemv2_kernel(
     act_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, bias_ptr,
-    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter, k_chunk,
+    y_ptr, stride_yt, gamma_ptr, topk_ids_ptr, hidden, inter, k_chunk, logits_ptr, stride_lt, num_experts,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
     ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1, MMA_AHEAD: tl.constexpr = 1,
+    LOGITS: tl.constexpr = False, TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
-    wait_for_previous(PDL)
-    slot, expert = _slot_expert(topk_ids_ptr)
+    # LOGITS: the router's logits come from two launches back (gemv1 runs between), which have
+    # finished by the time this launch starts (pdl.py): the routing is taken from them before the
+    # PDL wait, and the mma form's first weight loads go out while gemv1 still runs.
+    if LOGITS:
+        slot, expert, gamma = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
+        late_wait: tl.constexpr = PDL
+    else:
+        wait_for_previous(PDL)
+        slot, expert = _slot_expert(topk_ids_ptr)
+        gamma = tl.load(gamma_ptr + slot)
+        late_wait: tl.constexpr = False
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < hidden
     # Split K (grid axis 2, MoeConfig.split_k): k_chunk values per split, a multiple of 32 (whole
@@ -315,10 +342,10 @@ def _gemv2_kernel(
     w_base = w_ptr + expert * stride_we + (k_lo // 32) * (BLOCK_BYTES * ROW_GROUP)
     s_base = s_ptr + expert * stride_se + (k_lo // 32) * stride_sg
     acc = _row_dots(act_row, w_base, s_base, rows, ok, tl.minimum(k_chunk, inter - k_lo), stride_wn, stride_sg,
-                    hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD)
+                    hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD, late_wait)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
     bias = tl.load(bias_ptr + expert * hidden + rows, mask=ok & (split == 0), other=0.0)
-    y = (acc + bias) * tl.load(gamma_ptr + slot)
+    y = (acc + bias) * gamma
     y_row = (split * tl.num_programs(0) + slot).to(tl.int64)
     tl.store(y_ptr + y_row * stride_yt + rows, y, mask=ok)
 
@@ -356,6 +383,17 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights) -> dict:
+    """The launch options of a gemv that takes its routing from router logits (None: from routing)."""
+    if logits is None:
+        return {}
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] < routing.num_tokens \
+            or logits.shape[1] != w.num_experts or logits.stride(1) != 1:
+        raise ValueError(f"logits must be fp32 [>= {routing.num_tokens}, {w.num_experts}], contiguous rows")
+    return {"LOGITS": True, "BLOCK_TK": triton.next_power_of_2(routing.top_k),
+            "BLOCK_E": triton.next_power_of_2(w.num_experts)}
+
+
 def moe_gemv1_swiglu(
     x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float, config: MoeConfig,
     out: torch.Tensor | None = None, logits: torch.Tensor | None = None,
@@ -367,13 +405,7 @@ def moe_gemv1_swiglu(
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
-    extra = {}
-    if logits is not None:
-        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] < routing.num_tokens \
-                or logits.shape[1] != w.num_experts or logits.stride(1) != 1:
-            raise ValueError(f"logits must be fp32 [>= {routing.num_tokens}, {w.num_experts}], contiguous rows")
-        extra = {"LOGITS": True, "BLOCK_TK": triton.next_power_of_2(routing.top_k),
-                 "BLOCK_E": triton.next_power_of_2(w.num_experts)}
+    extra = _logits_options(logits, routing, w)
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
@@ -387,11 +419,15 @@ def moe_gemv1_swiglu(
 
 
 def moe_gemv2(
-    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None
+    act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights. With
     config.split_k = P > 1: y [P*S, C], P slabs of partial sums over K ranges (moe_combine(splits=P)
-    adds them), P times the programs for a kernel that runs out of programs per SM at one token."""
+    adds them), P times the programs for a kernel that runs out of programs per SM at one token.
+    logits (as moe_gemv1_swiglu's, which must run between the router's launch and this one): the
+    routing is taken from them before the PDL wait instead of from routing's top-k tensors after
+    it, so the first weight loads overlap gemv1."""
     slots = routing.num_tokens * routing.top_k
     splits = config.split_k
     y = _checked_output(config, routing, act, "act", (slots, w.intermediate), w.hidden, torch.float32, out, splits)
@@ -399,11 +435,13 @@ def moe_gemv2(
         return y
     chunk = k_chunk(w.intermediate, splits)
     shortest = w.intermediate - (splits - 1) * chunk
+    extra = _logits_options(logits, routing, w)
+    lg = logits if logits is not None else act  # placeholder: not read without LOGITS
     _gemv2_kernel[(slots, triton.cdiv(w.hidden, config.block_n2), splits)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate, chunk,
-        BLOCK_N=config.block_n2,
-        **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest),
+        lg, lg.stride(0), w.num_experts, BLOCK_N=config.block_n2, TOP_K=routing.top_k,
+        **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest), **extra,
     )  # fmt: skip
     return y

@@ -55,6 +55,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import wait_for_previous
+
 ROW_GROUP = 16  # the packed layout these kernels read (MoeWeights.row_group)
 FP16_SHIFT = tl.constexpr(16384.0)  # 2**14: the pairs hold FP4 values times 2**-14
 
@@ -97,20 +99,24 @@ TILES = tl.constexpr(2)  # 16-row tiles per asm instance (one pair): they share 
 LOADED = 2 * TILES.value + 1
 
 
-def _load_asm(gb: int) -> str:
+def _load_asm(gb: int, nc: bool = True) -> str:
     """Loads of one K step of gb block columns for a pair of tiles, per lane (r, t); outputs, block
     column g at $(5 g) on: the words of (tile 0 row r, tile 0 row r + 8, tile 1 row r, tile 1 row
     r + 8), then the scale byte of the pair's row r + 8t. Inputs after the 5 gb outputs: the first
     word's address at the step's first block column (row r + 8: + 128 bytes; block column g:
     + 256 g; tile 1: + the second input's bytes); the scale byte's there (block column g: + g * the
-    fourth input). The addresses are always valid (the caller clamps them)."""
+    fourth input). The addresses are always valid (the caller clamps them). Without `nc`, plain
+    loads instead of the read-only path: ptxas moves a PDL wait (griddepcontrol.wait) above .nc
+    loads, not above plain ones (offline sm_90), and loads issued before the wait are the point
+    of _k_loop's WAIT."""
     w0, wt, s0, sb = (f"${LOADED * gb + i}" for i in range(4))
+    ld = "ld.global.nc" if nc else "ld.global"
     out = []
     for g in range(gb):
         base = LOADED * g
-        out.extend(f" ld.global.nc.b32 ${base + k}, [{w0 if k < 2 else 'w1'}+{256 * g + 128 * (k % 2)}];"
+        out.extend(f" {ld}.b32 ${base + k}, [{w0 if k < 2 else 'w1'}+{256 * g + 128 * (k % 2)}];"
                    for k in range(2 * TILES.value))
-        out.append(f"\nld.global.nc.u8 ${base + 2 * TILES.value}, [sp];" + ("\nadd.s64 sp, sp, sg;" if g + 1 < gb else ""))
+        out.append(f"\n{ld}.u8 ${base + 2 * TILES.value}, [sp];" + ("\nadd.s64 sp, sp, sg;" if g + 1 < gb else ""))
     return ("{\n.reg .b64 w1, sp, sg;"
             f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};\n" + "".join(out) + "\n}")
 
@@ -203,10 +209,11 @@ def _group_math_asm(gb: int, groups: int) -> str:
 
 def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
     """(text, constraints, result types) of one asm step over gb block columns: "load"
-    (_load_asm), "math" (_math_asm) or "group" (_group_math_asm over `groups` groups of 8 tokens)."""
+    (_load_asm), "load-early" (its plain-load form), "math" (_math_asm) or "group" (_group_math_asm
+    over `groups` groups of 8 tokens)."""
     loads = LOADED * gb
-    if kind == "load":
-        return _load_asm(gb), "=r," * loads + "l,l,l,r", (tl.int32,) * loads
+    if kind in ("load", "load-early"):
+        return _load_asm(gb, kind == "load"), "=r," * loads + "l,l,l,r", (tl.int32,) * loads
     if kind == "math":
         return _math_asm(gb), "=f,f" + ",r" * loads + ",l,r,r", (tl.float32,)
     n = 8 * groups
@@ -217,7 +224,8 @@ def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
 # Every step the kernels take, built once: a constexpr function may read a dict but not call a
 # plain Python function.
 _ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
-              for kind, groups in (("load", 0), ("math", 0), ("group", 1), ("group", 2)) for gb in (1, 2, 4)}
+              for kind, groups in (("load", 0), ("load-early", 0), ("math", 0), ("group", 1), ("group", 2))
+              for gb in (1, 2, 4)}
 
 
 @triton.constexpr_function
@@ -246,9 +254,14 @@ def _asm_call(KIND: tl.constexpr, GB: tl.constexpr, GROUPS: tl.constexpr, args):
 
 
 @triton.jit
-def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block):
-    """_load_asm(GB) on [KS, P, 32] operands: a tuple of LOADED * GB int32 tensors."""
-    return _asm_call("load", GB, 0, (w_addr, w_tile, s_addr, s_block))
+def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, EARLY: tl.constexpr = False):
+    """_load_asm(GB) on [KS, P, 32] operands (EARLY: plain loads, "load-early"): a tuple of
+    LOADED * GB int32 tensors."""
+    if EARLY:
+        out = _asm_call("load-early", GB, 0, (w_addr, w_tile, s_addr, s_block))
+    else:
+        out = _asm_call("load", GB, 0, (w_addr, w_tile, s_addr, s_block))
+    return out
 
 
 @triton.jit
@@ -301,16 +314,20 @@ def _lanes(w_base, s_base, first_tile, n_tiles, stride_wn, stride_sg, P: tl.cons
 
 @triton.jit
 def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, lane_t, n_blocks,
-            GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, GROUPS: tl.constexpr):
+            GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, GROUPS: tl.constexpr,
+            WAIT: tl.constexpr = False):
     """acc after the whole K loop (_math_at's accumulators). Each K step covers KS * GB block
     columns; the loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas.
-    Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run."""
+    Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
+    WAIT: the PDL wait (pdl.py) comes here, after the first AHEAD steps' weight loads and before
+    the first activation load, for a kernel that knows its expert before the wait."""
     per_step = KS * GB
     last = n_blocks - per_step  # the last step is moved back to end at K
     final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
-    loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last)
+    loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last, WAIT)
     if AHEAD == 2:
-        second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last)
+        second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last, WAIT)
+        wait_for_previous(WAIT)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
             acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t)
@@ -319,6 +336,7 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
         acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t)
         loaded = second
     else:
+        wait_for_previous(WAIT)
         for kb in range(per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
             acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t)
@@ -330,9 +348,10 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
 
 @triton.jit
 def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
-              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr):
+              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, WAIT: tl.constexpr = False):
     """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
-    garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16.
+    garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16. WAIT: the
+    PDL wait after the first weight loads (_k_loop).
     Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): _k_loop's steps.
     All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
     off the last dimension."""
@@ -341,7 +360,7 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
                                                                 stride_sg, P, GB, KS)
     x_ptrs = x_row + lane_t * 8 + own * 32  # every B column holds the token
     acc = _k_loop(tl.zeros((KS, P, 32), dtype=tl.float32), x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg,
-                  full - own, lane_t, K // 32, GB, KS, AHEAD, 0)
+                  full - own, lane_t, K // 32, GB, KS, AHEAD, 0, WAIT)
     rows = tl.reshape(tl.sum(acc, axis=0), (P, 8, 4))  # lane (r, t): row r + 8t of pair p
     return tl.reshape(tl.permute(rows, (0, 2, 1)), (T * 16,)) * FP16_SHIFT
 
@@ -406,11 +425,11 @@ def _group_cols(acc, Q: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
-def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last):
+def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last, EARLY: tl.constexpr = False):
     """_load_step for the K step at block column kb, moved back to `last` if it would pass K."""
     first = tl.minimum(kb, last)
     return _load_step(GB, (w_ptrs + first * 256).to(tl.int64), w_tile, (s_ptrs + first * stride_sg).to(tl.int64),
-                      s_block)
+                      s_block, EARLY)
 
 
 def mma_splits(rows: int, block_k: int, num_warps: int) -> int:
