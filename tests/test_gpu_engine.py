@@ -215,6 +215,18 @@ def test_split_decode_attention_in_the_graph_matches_reference(ref):
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
 
 
+def test_attention_early_tile_decode_matches_reference(ref):
+    # GpuEngineConfig.attention_early_tile: the one-split decode-attention launches (every layer at
+    # max_context 512) read their first key tile before the PDL wait, the newest key after it;
+    # decode steps of two sequences through the graph path equal the reference.
+    eng = _graph_engine(attention_early_tile=True, max_batch=2)
+    assert eng.runner._splits[2] == (1, 1)
+    prompts = [_prompt(n, 50 + n) for n in (6, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [_ref_greedy(ref, p, 5) for p in prompts]
+    assert eng.runner._graph_seqs is not None
+
+
 def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
     # pick_config takes the top-k in gemv1 at T = 1 (MoeConfig.gemv_topk); the router's own top-k
     # (its arrival counter and serial tail) stays a supported path: batch-1 decode through the
