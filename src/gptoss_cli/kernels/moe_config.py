@@ -87,8 +87,8 @@ class MoeConfig:
     # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
     # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
-    # gemv_topk: gemv2 takes the top-k from the same logits too, before its PDL wait (they come from
-    # two launches back), and issues its first weight loads while gemv1 still runs.
+    # With gemv_topk: gemv2 takes the top-k from the same logits too, before its PDL wait (they come
+    # from two launches back), and issues its first weight loads while gemv1 still runs (session 30).
     gemv2_topk: bool = False
     # The dequantised weight tile as the left operand (acc^T = W_tile @ A^T): Hopper's wgmma then
     # takes it from registers instead of shared memory, and accepts the asm dequantisation there.
