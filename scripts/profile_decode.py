@@ -65,6 +65,18 @@ def print_gaps(spans: list[tuple[float, float]], steps: int) -> None:
           f"({(sum(gaps) - sum(long)) / steps:.1f} us); longest {max(gaps, default=0):.1f} us")
 
 
+def critical_shares(events: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Each kernel's share of the device timeline: how far its end moves the latest end so far
+    (kernels in start order). Under PDL a launch starts while the one before it runs, so its own
+    duration overstates its cost; this share is what the step would lose without it (gaps aside)."""
+    shares: dict[str, float] = defaultdict(float)
+    frontier = float("-inf")
+    for start, end, name in sorted(events):
+        shares[name] += max(0.0, end - max(frontier, start))
+        frontier = max(frontier, end)
+    return shares
+
+
 def profile(eng, batch: int, steps: int) -> None:
     from gpu_check import sampled_params  # same directory: on sys.path when run as a script
 
@@ -92,16 +104,19 @@ def profile(eng, batch: int, steps: int) -> None:
     for ev in kernel_events(prof):
         per_family[family(ev.name)] += ev.device_time_total / steps
         per_kernel[ev.name] += ev.device_time_total / steps
-        spans.append((ev.time_range.start, ev.time_range.end))
+        spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    critical: dict[str, float] = defaultdict(float)
+    for name, us in critical_shares(spans).items():
+        critical[family(name)] += us / steps
     while eng.has_unfinished():
         eng.step()
     busy_us = sum(per_family.values())
     print(f"\nbatch {batch}: wall {wall_ms:.3f} ms/step ({batch / wall_ms * 1e3:,.0f} tok/s), "
           f"kernels {busy_us / 1e3:.3f} ms/step, idle {max(0.0, wall_ms - busy_us / 1e3):.3f} ms/step")
-    print_gaps(spans, steps)
-    print(f"{'family':<22}{'us/step':>10}{'share':>8}")
+    print_gaps([span[:2] for span in spans], steps)
+    print(f"{'family':<22}{'us/step':>10}{'share':>8}{'critical us':>13}")  # critical: critical_shares
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
-        print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%")
+        print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%{critical[fam]:>13.1f}")
     print("top kernels:")
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:16]:
         print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")

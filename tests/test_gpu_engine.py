@@ -215,18 +215,6 @@ def test_split_decode_attention_in_the_graph_matches_reference(ref):
     assert eng.generate([prompt], GREEDY)[0].token_ids == _ref_greedy(ref, prompt, GREEDY.max_tokens)
 
 
-def test_attention_early_tile_decode_matches_reference(ref):
-    # GpuEngineConfig.attention_early_tile: the one-split decode-attention launches (every layer at
-    # max_context 512) read their first key tile before the PDL wait, the newest key after it;
-    # decode steps of two sequences through the graph path equal the reference.
-    eng = _graph_engine(attention_early_tile=True, max_batch=2)
-    assert eng.runner._splits[2] == (1, 1)
-    prompts = [_prompt(n, 50 + n) for n in (6, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == [_ref_greedy(ref, p, 5) for p in prompts]
-    assert eng.runner._graph_seqs is not None
-
-
 def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
     # pick_config takes the top-k in gemv1 at T = 1 (MoeConfig.gemv_topk); the router's own top-k
     # (its arrival counter and serial tail) stays a supported path: batch-1 decode through the
@@ -248,10 +236,10 @@ def test_router_topk_batch1_decode_matches_reference(ref, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mma gemv is inline PTX: GPU only")
 def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
     # The tensor-core gemv needs bf16 activations (the other tests here run the engine in fp32), and
-    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step: with K steps of 64, a bf16
-    # engine's batch-1 steps run gemv1 on the tensor cores (MoeConfig.gemv_mma), loads two steps
-    # ahead, through the prompt and decode graphs. The confident readout keeps greedy tokens above
-    # bf16 noise.
+    # random:tiny's K = 128 is shorter than pick_config's gemv1 K step: with K steps of 64 (and
+    # 64-row programs, which that K step needs), a bf16 engine's batch-1 steps run gemv1 on the
+    # tensor cores (MoeConfig.gemv_mma), loads two steps ahead, through the prompt and decode
+    # graphs. The confident readout keeps greedy tokens above bf16 noise.
     import dataclasses
 
     from gptoss_cli.kernels import moe, moe_gemv
@@ -262,7 +250,7 @@ def test_mma_gemv_batch1_decode_matches_reference(monkeypatch):
     plan = moe_gemv.mma_plan
     monkeypatch.setattr(moe_gemv, "mma_plan", lambda *a: runs.append(plan(*a)) or runs[-1])
     monkeypatch.setattr(moe, "pick_config", lambda t, e, k, frag=False: dataclasses.replace(
-        pick(t, e, k, frag), block_k=64) if t == 1 else pick(t, e, k, frag))
+        pick(t, e, k, frag), block_k=64, block_n1=32) if t == 1 else pick(t, e, k, frag))
     ref = ReferenceModel(random_weights("tiny", seed=6, device=DEVICE, confident=True), dtype=torch.float32)
     eng = _engine(max_batch=1, dtype="bfloat16", weights=random_weights("tiny", seed=6, device=DEVICE, confident=True))
     prompts = [_prompt(9, 53), _prompt(30, 54)]

@@ -316,18 +316,10 @@ def _decode_min_chunk():
 
     pointers = {n: "*bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "sinks_ptr", "out_ptr")}
     pointers |= {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32"}
-    for splits in (32, 1):
-        tiles = da.decode_tiles(num_splits=splits)
-        kernel = compile_sm90(da._decode_split_kernel, pointers, {
-            "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n,
-            "NUM_SPLITS": splits, "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "PDL": True,
-            "EARLY_TILE": splits == 1}, tiles.num_warps, tiles.num_stages)
-        # early_tile (one split): the first key tile is read before the PDL wait (all but the
-        # newest key), so cache loads of 16 bytes must precede ACQBULK; otherwise none.
-        listing = sass(kernel)
-        early = bool(re.search(r"LDG\.E\.128", listing[:listing.find("ACQBULK")]))
-        if early != (splits == 1):
-            raise RuntimeError(f"decode split kernel ({splits} splits): key tile loads before the PDL wait: {early}")
+    tiles = da.decode_tiles(num_splits=32)
+    compile_sm90(da._decode_split_kernel, pointers, {
+        "GROUP": 8, "BLOCK_G": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 64, "BLOCK_N": tiles.block_n, "NUM_SPLITS": 32,
+        "MIN_CHUNK": tiles.min_chunk, "DOT_DTYPE": tl.bfloat16, "PDL": True}, tiles.num_warps, tiles.num_stages)
     compile_sm90(da._decode_reduce_kernel, {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*bf16",
                                             "out_ptr": "*bf16"},
                  {"HEAD_DIM": 64, "NUM_SPLITS": 33, "BLOCK_S": 64, "PDL": True})

@@ -59,7 +59,7 @@ def _reference(q, kvs, seq_lens, sinks, window):
 
 
 def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num_splits, device,
-         dtype=torch.float32, sink_scale=1.0, head_dim=64, tiles=None, early_tile=False):
+         dtype=torch.float32, sink_scale=1.0, head_dim=64, tiles=None):
     k_cache, v_cache, table, kvs = _build_cache(seq_lens, num_kv_heads, head_dim, block_size, ring_blocks,
                                                 dtype, device)
     # q as a strided view of a fused projection output, the way the engine passes it.
@@ -67,7 +67,7 @@ def _run(seq_lens, num_heads, num_kv_heads, block_size, window, ring_blocks, num
     sinks = (torch.randn(num_heads, device=device) * sink_scale).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = decode_attention(q, k_cache, v_cache, table, lens, sinks, SM_SCALE, window, ring_blocks,
-                           num_splits=num_splits, tiles=tiles, early_tile=early_tile)
+                           num_splits=num_splits, tiles=tiles)
     return out, _reference(q, kvs, seq_lens, sinks, window)
 
 
@@ -79,21 +79,6 @@ def test_full_attention_paged(device, num_splits):
     out, ref = _run(BOUNDARY_LENS, 16, 2, 16, 0, 0, num_splits, device)
     assert_close(out, ref, _fp32_tol(device), f"full, {num_splits} splits")
     assert torch.equal(out[-1], torch.zeros_like(out[-1])), "padding row must be zero"
-
-
-@pytest.mark.parametrize("window,ring_blocks,dtype", [(0, 0, torch.float32), (128, 9, torch.float32),
-                                                      (128, 0, torch.float32), (0, 0, torch.bfloat16)])
-def test_early_first_tile_equals_the_reference(device, window, ring_blocks, dtype):
-    # early_tile: one-split launches read their first key tile (all but the newest key) before the
-    # PDL wait and the newest key after it. Rows of 1 key (only the newest), a tile boundary, a
-    # wrapped ring and a padding row; the same bits as the plain launch.
-    lens = [1, 16, 17, 129, 300, 700, 0]
-    torch.manual_seed(3)
-    out, ref = _run(lens, 16, 2, 16, window, ring_blocks, 1, device, dtype=dtype, early_tile=True)
-    torch.manual_seed(3)
-    plain, _ = _run(lens, 16, 2, 16, window, ring_blocks, 1, device, dtype=dtype)
-    assert torch.equal(out, plain)
-    assert_close(out.float(), ref.float(), _fp32_tol(device) if dtype == torch.float32 else 2e-2, "early first tile")
 
 
 def test_splits_agree_with_one_split(device):

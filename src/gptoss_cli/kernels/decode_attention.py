@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .attention import LOG2E, LOG2E_C, check_int32, check_sinks_scale, softmax_step
 from .interpreter import dot_dtype, is_interpreted
-from .kv_store import cache_geometry, kv_tile_offsets, load_kv_tile
+from .kv_store import cache_geometry, load_kv_tile
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
@@ -81,26 +81,13 @@ def _key_chunks(seq_len, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constex
 
 
 @triton.jit
-def _split_range(seq_lens_ptr, seq, split, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CG: tl.constexpr = False):
-    """(keys of the row, first key, end) of this program's split of row `seq` (CG: read through L2)."""
-    if CG:
-        seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
-    else:
-        seq_len = tl.load(seq_lens_ptr + seq)
-    start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
-    lo = start + split * chunk
-    return seq_len, lo, tl.minimum(lo + chunk, seq_len)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, window, ring_blocks, num_heads,
     stride_qb, stride_qh, stride_cb, stride_co, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_TILE: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,40 +96,21 @@ def _decode_split_kernel(
     g_ok = offs_g < GROUP
     head = kv_head * GROUP + offs_g
     sink = tl.load(sinks_ptr + head, mask=g_ok, other=0.0).to(tl.float32) * LOG2E_C  # a weight: before the wait
+    wait_for_previous(PDL)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, chunk = _key_chunks(seq_len, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    bt_row = bt_ptr + seq * stride_btb
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
     m = sink
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    if EARLY_TILE:
-        # Before the wait (pdl.py's exception: written two or more launches back, by the step's
-        # metadata launch and earlier steps): the key count, the block table and the first key
-        # tile but its newest key, which the launch just before (qkv) stores. One-split launches
-        # only: offline sm_90 80 -> 112 registers; with 66 splits the held tile took 106 -> 224.
-        # Through L2 (.cg), as pdl.py asks of such reads.
-        seq_len, lo, hi = _split_range(seq_lens_ptr, seq, split, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N, True)
-        pos = lo + offs_n
-        valid = pos < hi
-        newest = (pos == seq_len - 1)[:, None]
-        ptrs = kv_tile_offsets(bt_row, pos, valid, kv_head, ring_blocks, stride_cb, stride_co, stride_ch,
-                               BLOCK_SIZE, HEAD_DIM, True)
-        k = tl.load(kc_ptr + ptrs, mask=valid[:, None] & ~newest, other=0.0, cache_modifier=".cg")
-        v = tl.load(vc_ptr + ptrs, mask=valid[:, None] & ~newest, other=0.0, cache_modifier=".cg")
-        wait_for_previous(PDL)
-        k = tl.where(newest, tl.load(kc_ptr + ptrs, mask=valid[:, None] & newest, other=0.0), k)
-        v = tl.where(newest, tl.load(vc_ptr + ptrs, mask=valid[:, None] & newest, other=0.0), v)
-        q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
-        m, l, acc = softmax_step(q, k, v, m, l, acc, valid[None, :], qk_scale, True, DOT_DTYPE)
-        first = lo + BLOCK_N
-    else:
-        wait_for_previous(PDL)
-        seq_len, lo, hi = _split_range(seq_lens_ptr, seq, split, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
-        q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_ok[:, None], other=0.0).to(DOT_DTYPE)
-        first = lo
-    for n0 in range(first, hi, BLOCK_N):
+    bt_row = bt_ptr + seq * stride_btb
+    for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < hi
         k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, valid, kv_head, ring_blocks,
@@ -219,17 +187,12 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sinks: torch.Tensor, sm_scale: float, window: int, ring_blocks: int,
     num_splits: int | None = None, out: torch.Tensor | None = None, tiles: DecodeTiles | None = None,
-    early_tile: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] at position seq_lens[b] - 1 against cached keys -> [B, H, D] (written into `out`).
 
     window = 0: all seq_lens[b] keys; window > 0: positions > seq_lens[b] - 1 - window.
     ring_blocks = R > 0: block_table[b, j % R] holds logical block j. Rows with seq_lens[b] == 0
     read nothing and produce zeros. No host synchronisation; shapes alone decide the launch.
-    early_tile (one-split launches; written in session 30, not yet timed): with PDL (pdl.py) the
-    launch reads seq_lens, the block table and the first key tile of each row but its newest key
-    before its wait, so none of them may be written by the launch just before this one (the
-    engine's qkv launch stores only the newest keys; the step's metadata comes earlier).
     """
     block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache)
     _check_decode_args(q, block_table, seq_lens, out, num_kv_heads, head_dim)
@@ -257,7 +220,6 @@ def decode_attention(
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, DOT_DTYPE=dot_dtype(q.dtype),
-        EARLY_TILE=early_tile and num_splits == 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(pdl_enabled(q)),
     )
     if num_splits > 1:

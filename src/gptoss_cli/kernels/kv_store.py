@@ -5,7 +5,7 @@ contiguous). Flat slot = block * BLOCK_SIZE + offset. Position p of sequence b l
   block = block_table[b, j], offset = p % BLOCK_SIZE,  j = p // BLOCK_SIZE        (plain paging)
                                                       j = (p // BLOCK_SIZE) % R   (ring of R blocks)
 A ring (sliding layers) keeps the last R * BLOCK_SIZE positions; ring_blocks = 0 means plain paging.
-This module owns that formula (host: `cache_slots`, device: `kv_cache_location` / `kv_tile_offsets` / `load_kv_tile` /
+This module owns that formula (host: `cache_slots`, device: `kv_cache_location` / `load_kv_tile` /
 `store_token_heads`) and `kv_store`, which writes row t of k/v to slot_mapping[t] (-1 = padding,
 skipped); kernels.rope stores decode K/V through `store_token_heads` as it rotates them.
 """
@@ -46,27 +46,13 @@ def cache_slots(block_table: torch.Tensor, seq_ids: torch.Tensor, positions: tor
 
 
 @triton.jit
-def kv_cache_location(bt_row_ptr, pos, valid, ring_blocks, BLOCK_SIZE: tl.constexpr, CG: tl.constexpr = False):
-    """(block [int64], offset) of positions `pos` of one sequence; masked lanes read no table entry.
-    CG: the table is read through L2 (.cg)."""
+def kv_cache_location(bt_row_ptr, pos, valid, ring_blocks, BLOCK_SIZE: tl.constexpr):
+    """(block [int64], offset) of positions `pos` of one sequence; masked lanes read no table entry."""
     logical = pos // BLOCK_SIZE
     # tl.maximum keeps the modulo defined when ring_blocks == 0 (the result is then discarded).
     logical = tl.where(ring_blocks > 0, logical % tl.maximum(ring_blocks, 1), logical)
-    if CG:
-        block = tl.load(bt_row_ptr + logical, mask=valid, other=0, cache_modifier=".cg")
-    else:
-        block = tl.load(bt_row_ptr + logical, mask=valid, other=0)
+    block = tl.load(bt_row_ptr + logical, mask=valid, other=0)
     return block.to(tl.int64), pos % BLOCK_SIZE
-
-
-@triton.jit
-def kv_tile_offsets(bt_row_ptr, pos, valid, kv_head, ring_blocks, stride_cb, stride_co, stride_ch,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CG: tl.constexpr = False):
-    """Element offsets [len(pos), HEAD_DIM] of one KV head's rows at positions `pos` in the K (or V)
-    cache; masked lanes read no table entry (their offsets point at block 0)."""
-    block, offset = kv_cache_location(bt_row_ptr, pos, valid, ring_blocks, BLOCK_SIZE, CG)
-    row = block * stride_cb + offset * stride_co + kv_head * stride_ch
-    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
 
 
 @triton.jit
@@ -74,8 +60,10 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, pos, valid, kv_head, ring_blocks,
                  stride_cb, stride_co, stride_ch,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """K and V rows [len(pos), HEAD_DIM] of one KV head from the paged/ring cache (0 where invalid)."""
-    ptrs = kv_tile_offsets(bt_row_ptr, pos, valid, kv_head, ring_blocks, stride_cb, stride_co, stride_ch,
-                           BLOCK_SIZE, HEAD_DIM)
+    block, offset = kv_cache_location(bt_row_ptr, pos, valid, ring_blocks, BLOCK_SIZE)
+    row = block * stride_cb + offset * stride_co + kv_head * stride_ch
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = row[:, None] + offs_d[None, :]
     k = tl.load(kc_ptr + ptrs, mask=valid[:, None], other=0.0)
     v = tl.load(vc_ptr + ptrs, mask=valid[:, None], other=0.0)
     return k, v

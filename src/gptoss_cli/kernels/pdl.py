@@ -14,8 +14,7 @@ The rule every kernel here follows, so that no ordering is ever lost:
   before the predecessor has finished.
 - So the one exception: a buffer that only launches two or more back wrote may be read before
   the wait, if the caller guarantees that order, through L2 (`.cg`: the SM's L1 may still hold
-  older lines). moe_gemv2 with router logits (MoeConfig.gemv2_topk) does, with gemv1 between,
-  and decode attention with early_tile (the step's key counts, block table and older keys).
+  older lines). moe_gemv2 with router logits (MoeConfig.gemv2_topk) does, with gemv1 between.
 Kernels launched without PDL (cuBLAS, torch) wait for everything before them as usual, and the
 wait instruction is a no-op in a kernel launched without the attribute.
 

@@ -73,10 +73,6 @@ class GpuEngineConfig:
     # prefill tiles then read. H200, 20b: TTFT of a 4k prompt 75.0 -> 72.2 ms (gemm1's), 120b
     # prefill MoE at 64-row tiles -9 % (both; docs/performance.md, session 16).
     moe_frag_scales: bool = True
-    # One-split decode attention launches (the sliding layers at every batch, all layers at large
-    # batches) read their first key tile, but for the newest key, before the PDL wait
-    # (kernels.decode_attention, early_tile). Written in session 30; not yet timed, so off.
-    attention_early_tile: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -111,8 +107,7 @@ class GpuEngine(Engine):
         on_cuda = torch.device(device).type == "cuda"
         model = GpuModel(gpu_weights, self.kv_cache, self.max_context + 1, opts.max_step_tokens, opts.row_linear,
                          opts.fused_qkv_rope,
-                         SkinnyPlan(opts.skinny_tokens, opts.skinny_qkv_tokens, opts.skinny_qkv_unsplit_from),
-                         opts.attention_early_tile)
+                         SkinnyPlan(opts.skinny_tokens, opts.skinny_qkv_tokens, opts.skinny_qkv_unsplit_from))
         self.runner = Runner(model, self.kv_cache, opts.max_batch, opts.cuda_graphs)
         self.runner.capture(self.max_context, (lambda i, n: progress("capturing CUDA graphs", i, n)) if progress else None)
         self.weights_bytes = gpu_weights.nbytes

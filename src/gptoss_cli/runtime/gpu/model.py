@@ -59,10 +59,8 @@ class SkinnyPlan:
 
 class GpuModel:
     def __init__(self, weights: GpuWeights, kv: KvCache, max_positions: int, max_step_tokens: int,
-                 use_row_linear: bool = True, fused_qkv_rope: bool = False, skinny: SkinnyPlan = SkinnyPlan(),
-                 attention_early_tile: bool = False):
+                 use_row_linear: bool = True, fused_qkv_rope: bool = False, skinny: SkinnyPlan = SkinnyPlan()):
         self.w = weights
-        self.attention_early_tile = attention_early_tile
         self.use_row_linear = use_row_linear
         self.fused_qkv_rope = use_row_linear and fused_qkv_rope
         self.cfg = cfg = weights.config
@@ -121,7 +119,7 @@ class GpuModel:
         v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
         if b.decode:
             o = decode_attention(q, kc, vc, tables, b.seq_lens, layer.sinks, cfg.sm_scale, layer.window, 0,
-                                 num_splits=b.num_splits[1 if sliding else 0], early_tile=self.attention_early_tile)
+                                 num_splits=b.num_splits[1 if sliding else 0])
         else:
             o = prefill_attention(q, k, v, kc, vc, tables, b.cu_seqlens, b.ctx_lens, layer.sinks, cfg.sm_scale,
                                   layer.window, 0, b.max_seqlen_q, b.max_ctx_len)
