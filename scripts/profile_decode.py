@@ -6,7 +6,8 @@
 For each batch size: the engine decodes after a 128-token prompt; a window of steps is recorded
 with torch.profiler (CUDA kernels, also inside CUDA-graph replays) and the device time per step is
 summed by kernel family. Also printed: wall time per step with graphs (what the engine runs) and
-the idle share (wall minus kernel time: launch gaps, host work, the per-step sync).
+the idle share (wall minus kernel time: launch gaps, host work, the per-step sync), and each
+family's share of the critical path (`critical_shares`: kernel durations overlap under PDL).
 `--moe field=value` overrides MoeConfig fields of pick_config's choice for decode-sized steps
 (T <= 64), to measure a kernel variant inside the engine before making it the default;
 `--engine field=value` sets GpuEngineConfig fields (bool or int) the same way.
@@ -68,7 +69,7 @@ def print_gaps(spans: list[tuple[float, float]], steps: int) -> None:
 def critical_shares(events: list[tuple[float, float, str]]) -> dict[str, float]:
     """Each kernel's share of the device timeline: how far its end moves the latest end so far
     (kernels in start order). Under PDL a launch starts while the one before it runs, so its own
-    duration overstates its cost; this share is what the step would lose without it (gaps aside)."""
+    duration overstates its cost; this share is about what the step would save without it (gaps aside)."""
     shares: dict[str, float] = defaultdict(float)
     frontier = float("-inf")
     for start, end, name in sorted(events):
