@@ -162,11 +162,18 @@ def moe_fields(pairs: list[str], flag: str = "--moe") -> dict:
     return changes
 
 
+# MoeConfig fields outside the matmuls, which every decode config takes.
+SHARED_MOE_FIELDS = ("combine_block",)
+
+
 def moe_changes_apply(config, changes: dict) -> bool:
     """Whether MoeConfig `changes` are meant for `config`: the matrix-vector configs (T = 1) take only
     changes that name gemv fields, since tile specs for the tiled decode kernels would reshape the
-    gemv's blocks; the tiled configs only changes that name none."""
-    names_gemv = any(name.startswith("gemv") for name in changes)
+    gemv's blocks; the tiled configs only changes that name none (SHARED_MOE_FIELDS go to both)."""
+    names = [name for name in changes if name not in SHARED_MOE_FIELDS]
+    if not names:
+        return True
+    names_gemv = any(name.startswith("gemv") for name in names)
     return names_gemv if config.gemv else not names_gemv
 
 

@@ -14,6 +14,8 @@ def test_gemv_fields_reach_only_the_gemv_and_tile_fields_only_the_tiles():
     assert apply(gemv, {"gemv_f16": False}) and not apply(tiles, {"gemv_f16": False})
     assert apply(gemv, {"gemv_topk": False, "block_k": 256}) and not apply(tiles, {"gemv_topk": False, "block_k": 256})
     assert apply(tiles, {"block_k": 128}) and not apply(gemv, {"block_k": 128})
+    assert apply(gemv, {"combine_block": 256}) and apply(tiles, {"combine_block": 256})
+    assert apply(tiles, {"combine_block": 256, "block_k": 128}) and not apply(gemv, {"combine_block": 256, "block_k": 128})
 
 
 def test_critical_shares_count_each_kernel_past_the_latest_end_before_it():

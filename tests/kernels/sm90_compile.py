@@ -93,6 +93,14 @@ def _combine_norm():
                  {"num_tokens": 1, "TOP_K": 4, "SPLITS": 1, "BLOCK_C": 4096, "PDL": True}, num_warps=8)
 
 
+def _combine_norm_blocks():
+    from gptoss_cli.kernels import moe_matmul as mm
+
+    compile_sm90(mm._combine_norm_blocks_kernel, {"y_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16",
+                                                  "out_ptr": "*bf16", "h_ptr": "*bf16", "arrivals_ptr": "*i32"},
+                 {"num_tokens": 1, "TOP_K": 4, "SPLITS": 2, "BLOCK": 256, "BLOCK_C": 4096, "PDL": True}, num_warps=4)
+
+
 def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
     """pick_config's decode tiles at `num_tokens` (asm dequantisation, even/odd K; 16 or 32 rows):
     gemm1 and gemm2 under the config's warps, each with its own K step and register cap. Each K
@@ -451,6 +459,7 @@ CASES = {
     "router-tiles-64-tokens": lambda: _router_tiles(64, 32),
     "router-tiles-64-tokens-128-experts": lambda: _router_tiles(64, 128),
     "combine-norm-1-token": _combine_norm,
+    "combine-norm-blocks": _combine_norm_blocks,
     "rope-store-kv": _rope_store,
     "row-linear-2x4": lambda: _row_linear(2, 4),
     "qkv-rope-store": _qkv_rope,

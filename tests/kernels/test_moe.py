@@ -997,6 +997,24 @@ def test_combine_norm_equals_combine_then_rms_norm(device, dtype, tokens, hidden
     assert torch.equal(got, want) if device == "cpu" else rel_err(got.float(), want.float()) < 4e-3
 
 
+@pytest.mark.parametrize("tokens,hidden,splits,block", [(1, 2880, 2, 256), (3, 100, 2, 32), (5, 64, 1, 16)])
+def test_combine_norm_blocks_equals_one_program_per_token(device, tokens, hidden, splits, block):
+    # Column-block programs whose last arrival normalizes: the same h bits (the same sum order), the
+    # same normed row up to the order of the row's sum of squares; twice over the same counters,
+    # which the last arrivals must have reset (a counter left at n would skip the second norm).
+    top_k, dtype = 4, torch.bfloat16
+    arrivals = torch.zeros(tokens + 1, dtype=torch.int32, device=device)
+    weight = torch.rand(hidden, device=device).to(dtype)
+    for _ in range(2):
+        y = torch.randn(splits * tokens * top_k, hidden, device=device)
+        residual = torch.randn(tokens, hidden, device=device).to(dtype)
+        got, got_h = moe_combine_norm(y, top_k, residual, weight, 1e-5, splits=splits, block=block, arrivals=arrivals)
+        want, want_h = moe_combine_norm(y, top_k, residual, weight, 1e-5, splits=splits)
+        assert torch.equal(got_h, want_h)
+        assert rel_err(got.float(), want.float()) < 4e-3
+        assert not arrivals.any()
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 5, 40, 70])
 def test_moe_block_matches_norm_moe_norm(device, tokens):
     # 1 and 4 tokens: both norms fused (router and combine launches); 5 and 40 (pick_config's

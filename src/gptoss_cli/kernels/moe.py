@@ -125,6 +125,7 @@ class MoeWorkspace:
     y: torch.Tensor  # [max_tokens*K, C] fp32
     router: moe_router.RouterScratch  # fused router (MoeConfig.fused_router)
     router_tiles: SkinnyScratch  # MoeConfig.router_tiles
+    combine_arrivals: torch.Tensor  # [max_tokens] int32, zero between launches (MoeConfig.combine_block)
 
     @classmethod
     def allocate(
@@ -138,6 +139,7 @@ class MoeWorkspace:
             y=torch.empty((slots, w.hidden), dtype=torch.float32, device=device),
             router=moe_router.RouterScratch.allocate(w.num_experts, device),
             router_tiles=moe_router_tiles.allocate_scratch(w.num_experts, w.hidden, device),
+            combine_arrivals=torch.zeros(max_tokens, dtype=torch.int32, device=device),
         )
 
     def views(self, num_tokens: int, top_k: int, block_m: int, dtype: torch.dtype,
@@ -210,7 +212,8 @@ def moe_block(
         return rms_norm(moe_forward(h, ...), next_norm_weight, eps, r)
 
     In decode-sized steps (at most COMBINE_NORM_TOKENS tokens) the second norm runs inside the
-    combine, one program per token over a whole row. H200, 20b batch 64 (session 25): the
+    combine, one program per token over a whole row (or column blocks whose last arrival normalizes
+    the row: MoeConfig.combine_block). H200, 20b batch 64 (session 25): the
     combine's 48 programs of 16 tokens x 256 columns and the separate norm took 8.0 + 2.4 us per
     layer, the one launch 4.8; step 6.160 -> 6.029 ms (120b: 19.198 -> 18.977 ms). Prompt steps
     keep the two launches: one launch there was not measurably different (TTFT of a 4k prompt
@@ -230,7 +233,8 @@ def moe_block(
             moe_out = moe_combine(y, top_k, x.dtype, splits=cfg.split_k)
         return rms_norm(moe_out, next_norm_weight, eps, residual)
     with record_function("moe.combine+norm"):
-        return moe_combine_norm(y, top_k, residual, next_norm_weight, eps, splits=cfg.split_k)
+        return moe_combine_norm(y, top_k, residual, next_norm_weight, eps, splits=cfg.split_k, block=cfg.combine_block,
+                                arrivals=workspace.combine_arrivals if workspace else None)
 
 
 def runnable_config(cfg: MoeConfig, dtype: torch.dtype, w: MoeWeights, num_tokens: int, top_k: int) -> MoeConfig:

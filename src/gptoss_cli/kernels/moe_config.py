@@ -87,6 +87,10 @@ class MoeConfig:
     # counter: one serial tail off the step's critical path. pick_config turns it on at T = 1
     # (H200, 20b batch 1: 559.8 -> 565.5 tok/s, session 12).
     gemv_topk: bool = False
+    # Decode steps (moe_block's combine with the next norm): 0 = one program per token over the whole
+    # row; N = programs of N columns, the token's last to arrive (an atomic counter) normalizing the
+    # row from the stored h, so that no single program reads all of the token's slabs.
+    combine_block: int = 0
     # With gemv_topk: gemv2 takes the top-k from the same logits too, before its PDL wait (they come
     # from two launches back), and issues its first weight loads while gemv1 still runs (session 30).
     gemv2_topk: bool = False
@@ -229,11 +233,14 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # with it, gemv1 on 32-row programs (720 of them; 64 registers against 94) 1.665 -> 1.643
         # (without it 32 rows were even, sessions 23 and 30). Both: 20b 1.691 -> 1.644 ms, 120b
         # 2.585 -> 2.462. gemv1 split along K (two 64-row K ranges, the last to arrive running the
-        # SwiGLU) was slower: 1.663 -> 1.717.
+        # SwiGLU) was slower: 1.663 -> 1.717. The combine with the next norm over 256-column programs
+        # (combine_block, session 32): 1.627 / 1.628 -> 1.617 / 1.621 ms (128: 1.623, 512: 1.623),
+        # 120b 2.437 -> 2.426; at batch 64 it lost (5.909 -> 5.969), so only here.
         wide = 64 if is_interpreted() else 0
         return MoeConfig("decode", 16, wide or 16, wide or 32, 512 if wide else 256, num_warps=4, num_stages=3,
                          asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,
-                         gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2, gemv2_topk=True)
+                         gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2, gemv2_topk=True,
+                         combine_block=256)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
                          num_experts, top_k, frag_scales)
 

@@ -787,22 +787,71 @@ def _combine_norm_kernel(
     tl.store(out_ptr + token * hidden + cols[None, :], y.to(dtype), mask=ok[None, :])
 
 
+@triton.jit
+def _combine_norm_blocks_kernel(
+    y_ptr, res_ptr, w_ptr, out_ptr, h_ptr, arrivals_ptr, num_tokens, hidden, eps, TOP_K: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # Program (token, column block): the combine of BLOCK columns and their h; the token's last
+    # program to arrive normalizes the whole row from h (through L2), so that no one program reads
+    # all the slabs.
+    wait_for_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    slab = tl.cast(num_tokens, tl.int64) * TOP_K * hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # the order of _combine_kernel: the same sum
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * slab + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    r = tl.load(res_ptr + token * hidden + cols, mask=ok, other=0.0)
+    h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as _combine_norm_kernel
+    tl.store(h_ptr + token * hidden + cols, h, mask=ok)
+    # Every thread's stores precede the arrival (barrier), which releases them at GPU scope; the last
+    # program's acquire then sees the whole row. Its loads bypass L1 (.cg).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + token, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        row = tl.arange(0, BLOCK_C)
+        row_ok = row < hidden
+        whole = tl.load(h_ptr + token * hidden + row[None, :], mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+        y = normalize_rows(whole, w_ptr, row, row_ok, hidden, eps)
+        tl.store(out_ptr + token * hidden + row[None, :], y.to(dtype), mask=row_ok[None, :])
+        tl.atomic_xchg(arrivals_ptr + token, 0, sem="relaxed", scope="gpu")
+
+
 def moe_combine_norm(y: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     splits: int = 1, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     splits: int = 1, num_warps: int | None = None, block: int = 0,
+                     arrivals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(moe_combine(y, top_k, residual.dtype, splits=splits), weight, eps, residual) in one
-    launch (one program per token, whole rows): (normed [T, C], new residual [T, C])."""
+    launch: (normed [T, C], new residual [T, C]). One program per token over the whole row, or with
+    `block` (MoeConfig.combine_block) programs of `block` columns whose last arrival per token
+    normalizes the row; `arrivals` is then their int32 counters, >= T of them, zero between launches
+    (the last arrival resets its own; allocated when not given)."""
     _check_slots(y, top_k, splits)
     tokens, hidden = y.shape[0] // (top_k * splits), y.shape[1]
     if residual.shape != (tokens, hidden) or not residual.is_contiguous() or weight.shape != (hidden,):
         raise ValueError(f"residual {tuple(residual.shape)} / weight {tuple(weight.shape)} do not match y's "
                          f"{tokens} tokens x {hidden}")
     out, h = torch.empty_like(residual), torch.empty_like(residual)
-    if tokens:
-        block_c = triton.next_power_of_2(hidden)
-        _combine_norm_kernel[(tokens,)](y, residual, weight.contiguous(), out, h, tokens, hidden, float(eps),
-                                        TOP_K=top_k, SPLITS=splits, BLOCK_C=block_c,
-                                        num_warps=num_warps or max(1, min(8, block_c // 512)),
-                                        **pdl_launch(pdl_enabled(y)))
+    if not tokens:
+        return out, h
+    block_c = triton.next_power_of_2(hidden)
+    if block:
+        if arrivals is None:
+            arrivals = torch.zeros(tokens, dtype=torch.int32, device=y.device)
+        if arrivals.dtype != torch.int32 or arrivals.numel() < tokens:
+            raise ValueError(f"arrivals must hold >= {tokens} int32 counters")
+        _combine_norm_blocks_kernel[(tokens, triton.cdiv(hidden, block))](
+            y, residual, weight.contiguous(), out, h, arrivals, tokens, hidden, float(eps), TOP_K=top_k,
+            SPLITS=splits, BLOCK=block, BLOCK_C=block_c, num_warps=num_warps or max(1, min(4, block // 64)),
+            **pdl_launch(pdl_enabled(y)))
+        return out, h
+    _combine_norm_kernel[(tokens,)](y, residual, weight.contiguous(), out, h, tokens, hidden, float(eps),
+                                    TOP_K=top_k, SPLITS=splits, BLOCK_C=block_c,
+                                    num_warps=num_warps or max(1, min(8, block_c // 512)),
+                                    **pdl_launch(pdl_enabled(y)))
     return out, h
 
 
