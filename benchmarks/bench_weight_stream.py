@@ -10,8 +10,10 @@ experts' 33 MB. This script streams the same bytes with no arithmetic, in three 
   rowwise  the checkpoint layout, but each step reads whole rows (4 rows x 1,440 bytes).
 If strided is much slower than blocked, a one-time reordering of the packed bytes at load is a
 bandwidth lever for the gemv; if they tie, the gemv's limit is elsewhere.
+--ring adds the blocked order read by tensor-memory copies into shared memory, several K steps in
+flight per program without registers: the ceiling of a gemv1 fed that way.
 
-    PYTHONPATH=src python benchmarks/bench_weight_stream.py [--batch64]   # H200
+    PYTHONPATH=src python benchmarks/bench_weight_stream.py [--batch64] [--ring]   # H200
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ def _rowwise_kernel(w_ptr, ids_ptr, out_ptr, stride_we, stride_wn, k_bytes, BLOC
     tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(tl.xor_sum(tl.xor_sum(acc, 2), 1), 0))
 
 
+@triton.jit
+def _ring_kernel(desc, ids_ptr, out_ptr, groups_per_expert, steps, BLOCK_R: tl.constexpr, G: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """The blocked layout as int32 [E * N / BLOCK_R, K / 32, BLOCK_R * 4] read by tensor-memory copies
+    into shared memory, STAGES - 1 K steps in flight per program without holding registers (the
+    software pipeline of tl.range); a box past K is filled with zeros by the copy engine."""
+    expert = tl.load(ids_ptr + tl.program_id(0))
+    group = expert * groups_per_expert + tl.program_id(1)
+    acc = tl.zeros((1, G, BLOCK_R * 4), dtype=tl.int32)
+    for step in tl.range(0, steps, num_stages=STAGES):
+        acc ^= desc.load([group, step * G, 0])
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(tl.xor_sum(tl.xor_sum(acc, 2), 1), 0))
+
+
 def _graph_us(launches: list, replays: int = 20) -> float:
     """Median µs per launch, the launches captured in one CUDA graph (bench_attention's timer)."""
     return _graph_ms(lambda: [fn() for fn in launches], calls=1, replays=replays) * 1e3 / len(launches)
@@ -115,11 +131,38 @@ def run(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: 
               flush=True)
 
 
+def run_ring(experts: int, rows: int, k_bytes: int, block_r: int, g: int, num_warps: int, stages: int,
+             calls: int = 24, per_call: int = 4) -> None:
+    """`run`'s blocked order read by tensor-memory copies into shared memory (_ring_kernel): how fast
+    the same bytes stream when the bytes in flight do not cost registers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w = torch.randint(-2**31, 2**31 - 1, (experts * rows // block_r, k_bytes // 16, block_r * 4), dtype=torch.int32,
+                      device="cuda")
+    desc = TensorDescriptor.from_tensor(w, [1, g, block_r * 4])
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:per_call] for _ in range(calls)]).to(torch.int32).cuda()
+    out = torch.empty(per_call * rows // block_r, dtype=torch.int32, device="cuda")
+    grid = (per_call, rows // block_r)
+    steps = triton.cdiv(k_bytes // 16, g)
+    launches = [lambda i=i: _ring_kernel[grid](desc, ids[i], out, rows // block_r, steps, BLOCK_R=block_r, G=g,
+                                               STAGES=stages, num_warps=num_warps) for i in range(calls)]
+    us = _graph_us(launches)
+    nbytes = per_call * rows * k_bytes
+    print(f"E={per_call}/{experts} N={rows} K bytes={k_bytes} rows/program={block_r} step={g * 16} B "
+          f"warps={num_warps} ring{stages:<4} {us:7.2f} us  {nbytes / us / 1e6:6.2f} TB/s  "
+          f"{100 * nbytes / us / 1e6 / COPY_TBPS:5.1f} %", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch64", action="store_true",
                         help="a batch-64 step's volume instead: all 32 experts of a 128-expert pool per call")
-    if parser.parse_args().batch64:
+    parser.add_argument("--ring", action="store_true",
+                        help="also gemv1's tile through tensor-memory copies, 2-5 pipeline stages (bytes in flight "
+                             "without registers)")
+    args = parser.parse_args()
+    if args.batch64:
         run(128, 5760, 1440, 128, 2, 2, calls=8, per_call=32)  # the decode tiles' gemm1 programs (K step 64)
         run(128, 5760, 1440, 64, 16, 4, calls=8, per_call=32)  # the grouped mma's (K step 512 values)
         run(128, 5760, 1440, 16, 32, 4, calls=8, per_call=32)
@@ -127,6 +170,10 @@ def main() -> None:
     run(32, 5760, 1440, 32, 16, 4)  # gemv1's tile (16 columns = 32 W1 rows, K step 512 values)
     run(32, 2880, 1440, 8, 16, 4)  # gemv2's tile (8 rows, K step 512 values)
     run(32, 5760, 1440, 16, 32, 4)  # longer steps, fewer rows (session 9: faster alone)
+    if args.ring:
+        for g, stages in ((8, 3), (8, 4), (8, 5), (16, 3), (16, 4), (8, 3), (8, 5)):  # gemv1's K step is 8 blocks
+            run_ring(32, 5760, 1440, 32, g, 4, stages)
+        run(32, 5760, 1440, 32, 8, 4)  # the blocked plain loads at gemv1's K step, for the comparison
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/bench_weight_stream.py's load-only kernels read exactly the bytes they claim to:
-each program's XOR of its rows, in all three orders, equals the XOR of the same rows on the CPU."""
+each program's XOR of its rows, in all three orders and through the tensor-memory ring, equals the
+XOR of the same rows on the CPU."""
 
 from __future__ import annotations
 
@@ -54,4 +55,11 @@ def test_every_order_reads_the_programs_bytes(k_bytes, g):
     assert out.tolist() == want
     grouped = blocked.view(torch.uint8).view(experts, rows, k_bytes)
     bench._blocked_kernel[grid](grouped, ids, out, grouped.stride(0), k_bytes, BLOCK_R=block_r, G=g)
+    assert out.tolist() == want
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ring = blocked.view(experts * rows // block_r, k_bytes // 16, block_r * 4)
+    out.zero_()
+    bench._ring_kernel[grid](TensorDescriptor.from_tensor(ring, [1, g, block_r * 4]), ids, out, rows // block_r,
+                             -(-k_bytes // (16 * g)), BLOCK_R=block_r, G=g, STAGES=3)
     assert out.tolist() == want
