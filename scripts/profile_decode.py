@@ -7,7 +7,8 @@ For each batch size: the engine decodes after a 128-token prompt; a window of st
 with torch.profiler (CUDA kernels, also inside CUDA-graph replays) and the device time per step is
 summed by kernel family. Also printed: wall time per step with graphs (what the engine runs) and
 the idle share (wall minus kernel time: launch gaps, host work, the per-step sync), and each
-family's share of the critical path (`critical_shares`: kernel durations overlap under PDL).
+family's and each top kernel's share of the critical path (`critical_shares`: kernel durations
+overlap under PDL).
 `--moe field=value` overrides MoeConfig fields of pick_config's choice for decode-sized steps
 (T <= 64), to measure a kernel variant inside the engine before making it the default;
 `--engine field=value` sets GpuEngineConfig fields (bool or int) the same way.
@@ -106,8 +107,9 @@ def profile(eng, batch: int, steps: int) -> None:
         per_family[family(ev.name)] += ev.device_time_total / steps
         per_kernel[ev.name] += ev.device_time_total / steps
         spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    per_kernel_critical = critical_shares(spans)
     critical: dict[str, float] = defaultdict(float)
-    for name, us in critical_shares(spans).items():
+    for name, us in per_kernel_critical.items():
         critical[family(name)] += us / steps
     while eng.has_unfinished():
         eng.step()
@@ -118,9 +120,9 @@ def profile(eng, batch: int, steps: int) -> None:
     print(f"{'family':<22}{'us/step':>10}{'share':>8}{'critical us':>13}")  # critical: critical_shares
     for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1]):
         print(f"{fam:<22}{us:>10.1f}{100 * us / busy_us:>7.1f}%{critical[fam]:>13.1f}")
-    print("top kernels:")
+    print("top kernels (us/step, critical us):")
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:16]:
-        print(f"  {us:>9.1f} us  {family(name)[:12]:<13}{name[:90]}")
+        print(f"  {us:>9.1f} {per_kernel_critical.get(name, 0.0) / steps:>9.1f}  {family(name)[:12]:<13}{name[:90]}")
 
 
 def engine_options(pairs: list[str]) -> dict[str, bool | int | str]:
