@@ -288,10 +288,12 @@ def section_e20b(args) -> None:
         return
     eng, ours = results["bfloat16"]
     torch.cuda.empty_cache()
-    from transformers import GptOssForCausalLM
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
     t = time.time()
-    hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    # Dequantised explicitly: transformers >= 5.25 with `kernels` installed would fetch Hub kernels.
+    hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                           quantization_config=Mxfp4Config(dequantize=True)).eval()
     row("e20b/hf", "transformers load (dequantised bf16)", f"{time.time() - t:.0f}s")
     with torch.no_grad():
         errs = [_rel(eng.score(p), hf(torch.tensor([p], device="cuda")).logits[0]) for p in prompts[:6]]

@@ -17,6 +17,15 @@ from helpers import max_rel_err
 
 transformers = pytest.importorskip("transformers")
 
+
+def _hf_from(path):
+    """transformers' model of a checkpoint directory, its experts dequantised in fp32 by transformers
+    itself. The dequantisation is asked for explicitly: from 5.25, with the `kernels` package installed
+    (a dependency since then), transformers would otherwise fetch MXFP4 kernels from the Hub."""
+    return transformers.GptOssForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+
 PROMPT_LENS = (301, 417)
 
 
@@ -29,8 +38,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(ckpt):
-    model = transformers.GptOssForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return _hf_from(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +103,7 @@ def test_swiglu_clamp_region_matches_transformers(tmp_path):
         save_file(tensors, shard, metadata={"format": "pt"})
     model = ReferenceModel(load_checkpoint(d))
     ids = _prompt(160, seed=3)
-    hf = transformers.GptOssForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = _hf_from(d)
     assert max_rel_err(model.forward([(ids, model.new_cache())], all_logits=True), _hf_logits(hf, ids)) <= 1e-4
 
 
