@@ -764,6 +764,23 @@ def _combine_kernel(
 
 
 @triton.jit
+def _combined_h(y_ptr, res_ptr, h_ptr, token, cols, ok, num_tokens, hidden, TOP_K: tl.constexpr,
+                SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """The combine of one token's columns `cols` (any shape, `ok` its mask) plus its residual, rounded
+    to `dtype` as rms_norm rounds its residual sum, stored to h and returned: the combine-norm
+    kernels' shared first half."""
+    slab = tl.cast(num_tokens, tl.int64) * TOP_K * hidden
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # the order of _combine_kernel: the same sum
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * slab + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0)
+    r = tl.load(res_ptr + token * hidden + cols, mask=ok, other=0.0)
+    h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # acc.to(dtype): what moe_forward returns
+    tl.store(h_ptr + token * hidden + cols, h, mask=ok)
+    return h
+
+
+@triton.jit
 def _combine_norm_kernel(
     y_ptr, res_ptr, w_ptr, out_ptr, h_ptr, num_tokens, hidden, eps, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_C: tl.constexpr, PDL: tl.constexpr,
@@ -773,18 +790,10 @@ def _combine_norm_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     ok = cols < hidden
-    slab = tl.cast(num_tokens, tl.int64) * TOP_K * hidden
-    acc = tl.zeros((1, BLOCK_C), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # the order of _combine_kernel: the same sum
-        for k in tl.static_range(TOP_K):
-            acc += tl.load(y_ptr + s * slab + (token * TOP_K + k) * hidden + cols[None, :], mask=ok[None, :], other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    moe_out = acc.to(dtype)  # what moe_forward returns
-    r = tl.load(res_ptr + token * hidden + cols[None, :], mask=ok[None, :], other=0.0)
-    h = (moe_out.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rms_norm's rounded residual sum
-    tl.store(h_ptr + token * hidden + cols[None, :], h, mask=ok[None, :])
+    h = _combined_h(y_ptr, res_ptr, h_ptr, token, cols[None, :], ok[None, :], num_tokens, hidden, TOP_K, SPLITS,
+                    out_ptr.dtype.element_ty)
     y = normalize_rows(h, w_ptr, cols, ok, hidden, eps)
-    tl.store(out_ptr + token * hidden + cols[None, :], y.to(dtype), mask=ok[None, :])
+    tl.store(out_ptr + token * hidden + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
 
 
 @triton.jit
@@ -798,16 +807,8 @@ def _combine_norm_blocks_kernel(
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    slab = tl.cast(num_tokens, tl.int64) * TOP_K * hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # the order of _combine_kernel: the same sum
-        for k in tl.static_range(TOP_K):
-            acc += tl.load(y_ptr + s * slab + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    r = tl.load(res_ptr + token * hidden + cols, mask=ok, other=0.0)
-    h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as _combine_norm_kernel
-    tl.store(h_ptr + token * hidden + cols, h, mask=ok)
+    _combined_h(y_ptr, res_ptr, h_ptr, token, cols, cols < hidden, num_tokens, hidden, TOP_K, SPLITS, dtype)
     # Every thread's stores precede the arrival (barrier), which releases them at GPU scope; the last
     # program's acquire then sees the whole row. Its loads bypass L1 (.cg).
     tl.debug_barrier()
