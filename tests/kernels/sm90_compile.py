@@ -206,10 +206,9 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          experts: int = 0, mma: bool = False, ahead: int = 1, tma: int = 0):
+          experts: int = 0, mma: bool = False, ahead: int = 1):
     """experts > 0: the gemv taking the top-k from that many router logits (MoeConfig.gemv_topk,
-    gemv2_topk). tma: MoeConfig.gemv_tma's stages (gemv1:
-    the K loop's bytes by TMA, moe_gemv_tma.py). The
+    gemv2_topk). The
     weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group); with `mma`
     (MoeConfig.gemv_mma) they are 4-byte words of mma fragments, the K loop must hold the
     tensor-core instructions, and ptxas must not spill the software-pipelined registers."""
@@ -223,10 +222,6 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
     common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16 or mma, "PDL": True,
               "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1,
               "MMA_AHEAD": ahead}
-    if tma:
-        step = block_k // 32
-        pointers |= {"w_desc": f"tensordesc<i32[1, 2, {step}, 64]>", "s_desc": f"tensordesc<u8[1, {step}, 32]>"}
-        common |= {"TMA_STAGES": tma}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
@@ -242,21 +237,9 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
             raise RuntimeError(f"{which}: no mma in the K loop")
         _no_spills(kernel, which)
         _lanes_last(kernel, which)
-        if tma:
-            _tma_loop(kernel, which)
     elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
-
-
-def _tma_loop(kernel, what: str) -> None:
-    """The TMA-fed K loop (MoeConfig.gemv_tma): tensor-memory copies (UTMALDG) and mmas in the loop,
-    no global weight loads there (only the activations' 128-bit ones). The loop is the shortest
-    backward branch holding both: the barrier's retry branch jumps back over everything after it."""
-    loops = [body for body in _loop_bodies(sass(kernel), 4) if "UTMALDG" in body and "HMMA" in body]
-    loop = min(loops, key=len) if loops else ""
-    if not loop or re.search(r"LDG\.E(\.CONSTANT|\.U8)* R", loop):
-        raise RuntimeError(f"{what}: the K loop does not take its weights from TMA alone")
 
 
 def _loads_before_wait(kernel) -> None:
@@ -498,7 +481,6 @@ CASES = {
     "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
     "gemv2-mma-k256-ahead-2": lambda: _gemv("gemv2", 32, 256, mma=True, ahead=2),  # split K: 736 per split
     "gemv2-mma-k512-ahead-2-topk": lambda: _gemv("gemv2", 32, 512, experts=32, mma=True, ahead=2),
-    "gemv1-mma-tma-4": lambda: _gemv("gemv1", 16, 256, experts=32, mma=True, ahead=2, tma=4),
     "gemv2-mma-k512-ahead-1-topk-128": lambda: _gemv("gemv2", 32, 512, experts=128, mma=True),
     "group-gemm1": lambda: _group("gemm1", 32, 128),  # pick_config's at <= 2 rows per expert (32 experts)
     "group-gemm2": lambda: _group("gemm2", 64, 128),

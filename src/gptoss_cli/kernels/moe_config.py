@@ -64,10 +64,6 @@ class MoeConfig:
     # gemv_mma: K steps whose loads are in flight while a step's mmas run (1 or 2; 1 where K is one
     # step long).
     gemv_ahead: int = 1
-    # gemv_mma, gemv1 at one pair of tiles per program and 2 block columns per warp and K step: the
-    # K loop's weights and scales by TMA into shared memory with this many pipeline stages
-    # (moe_gemv_tma.py; 0 = off: registers loaded gemv_ahead steps ahead).
-    gemv_tma: int = 0
     # Decode tiles of 16 rows (block_m 16, no split-K) on the tensor cores fed from the packed
     # words (moe_group_mma.py; GPU, bf16 activations, weights with row_group 16, shapes as
     # gemv_mma's): B's 8 columns are 8 of an expert's rows, a second group of 8 shares each unpacked

@@ -44,7 +44,6 @@ import triton.language as tl
 
 from .moe_config import MoeConfig
 from .moe_gemv_mma import _mma_rows, mma_plan
-from .moe_gemv_tma import _tma_rows, descriptors, tma_fits
 from .moe_matmul import (
     BLOCK_BYTES,
     MoeWeights,
@@ -216,17 +215,12 @@ def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, n_rows,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
     MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr, WAIT: tl.constexpr = False,
-    tma=None, TMA_STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
     (moe_gemv_mma.py; only with F16), else packed fp16 when F16; either redone in fp32 if an fp16
     value overflowed. WAIT: the PDL wait is still to come (the mma form issues its first weight
-    loads before it). TMA_STAGES > 0 (mma form, gemv1): the K loop's bytes come by TMA (moe_gemv_tma.py); tma is then
-    (weights' descriptor, scales' descriptor, expert)."""
-    if TMA_STAGES > 0:
-        acc = _tma_rows(x_row, tma[0], tma[1], tma[2], tl.program_id(1) * (BLOCK_R // 16), K, BLOCK_R // 16,
-                        MMA_SPLITS, TMA_STAGES)
-    elif MMA:
+    loads before it)."""
+    if MMA:
         acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
                         stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT)
     elif F16:
@@ -296,7 +290,7 @@ def _gemv1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
     MMA_AHEAD: tl.constexpr = 1, LOGITS: tl.constexpr = False,
-    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, w_desc=None, s_desc=None, TMA_STAGES: tl.constexpr = 0,
+    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
@@ -310,8 +304,7 @@ def _gemv1_swiglu_kernel(
     wrow_ok = wrows < 2 * inter
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * inter, 2 * BLOCK_N, BLOCK_K, ASM, F16,
-                    ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD, False, (w_desc, s_desc, expert),
-                    TMA_STAGES)
+                    ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -390,16 +383,6 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def _tma_options(config: MoeConfig, options: dict, w: MoeWeights) -> dict:
-    """gemv1's launch arguments for the TMA-fed K loop (MoeConfig.gemv_tma), or none where it is off
-    or the launch does not suit it (mma form, moe_gemv_tma.tma_fits)."""
-    if not (config.gemv_tma and options["MMA"]
-            and tma_fits(w.row_group, 2 * config.block_n1, config.block_k, config.num_warps, w.hidden)):
-        return {}
-    w_desc, s_desc = descriptors(w.w1_blocks, w.w1_scales, config.block_k)
-    return {"w_desc": w_desc, "s_desc": s_desc, "TMA_STAGES": config.gemv_tma}
-
-
 def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights) -> dict:
     """The launch options of a gemv that takes its routing from router logits (None: from routing)."""
     if logits is None:
@@ -423,15 +406,14 @@ def moe_gemv1_swiglu(
     if act.shape[0] == 0:
         return act
     extra = _logits_options(logits, routing, w)
-    options = _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)
-    extra |= _tma_options(config, options, w)
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
-        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **options, **extra,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1,
+        **_launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k), **extra,
     )  # fmt: skip
     return act
 
