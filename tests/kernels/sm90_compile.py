@@ -27,8 +27,11 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # Constexpr parameters left out take their defaults, as the launcher binds them.
-    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
+    # Constexpr parameters left out take their defaults, as the launcher binds them; so do optional
+    # pointers (default None) not named in `pointers`: the launcher specialises a None as a constant.
+    constexprs = ({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+                  | {p.name: None for p in fn.params if not p.is_constexpr and p.has_default and p.default is None
+                     and p.name not in pointers} | constexprs)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -206,9 +209,10 @@ def _tile_heights(rows: int, short: int, pairs: bool = False) -> dict:
 
 
 def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, num_warps: int = 4,
-          experts: int = 0, mma: bool = False, ahead: int = 1):
+          experts: int = 0, mma: bool = False, ahead: int = 1, pairs: bool = False):
     """experts > 0: the gemv taking the top-k from that many router logits (MoeConfig.gemv_topk,
-    gemv2_topk). The
+    gemv2_topk). pairs: the activations also in fp16_pairs form (xp_ptr / ap_ptr), which the K loop
+    must then read without converting (no F2FP). The
     weights must arrive in 16-byte loads on the grouped layout (MoeWeights.row_group); with `mma`
     (MoeConfig.gemv_mma) they are 4-byte words of mma fragments, the K loop must hold the
     tensor-core instructions, and ptxas must not spill the software-pipelined registers."""
@@ -222,6 +226,8 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
     common = {"BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True, "F16": f16 or mma, "PDL": True,
               "ROW_GROUP": ROW_GROUP, "MMA": mma, "MMA_SPLITS": mma_splits(rows, block_k, num_warps) if mma else 1,
               "MMA_AHEAD": ahead}
+    if pairs:  # gemv1 also writes act's pairs for gemv2
+        pointers |= {"xp_ptr": "*fp16", "ap_out_ptr": "*fp16"} if which == "gemv1" else {"ap_ptr": "*fp16"}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
         logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
@@ -237,6 +243,8 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
             raise RuntimeError(f"{which}: no mma in the K loop")
         _no_spills(kernel, which)
         _lanes_last(kernel, which)
+        if pairs == ("F2FP" in _loop_body(sass(kernel))):
+            raise RuntimeError(f"{which}: the K loop {'converts' if pairs else 'does not convert'} the activations")
     elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
@@ -390,12 +398,13 @@ def _skinny(which: str, num_tokens: int):
         raise RuntimeError(f"skinny {which}: the K loop lacks cp.async (LDGSTS) or tensor-core products")
 
 
-def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = True):
+def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = True, pairs: bool = False):
+    """pairs: the normalised rows in fp16_pairs form too (RouterNorm.pairs)."""
     from gptoss_cli.kernels import moe_router as mr
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "logits_ptr": "*fp32", "arrivals_ptr": "*i32",
                 "weights_ptr": "*fp32", "ids_ptr": "*i32", "hist_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
-                "y_ptr": "*bf16", "h_ptr": "*bf16"}
+                "y_ptr": "*bf16", "h_ptr": "*bf16"} | ({"yp_ptr": "*fp16"} if pairs else {})
     block_t, block_ta, block_c = mr.launch_blocks(tokens, experts, 2880)
     constexprs = {"TOP_K": 4, "BLOCK_K": 4, "BLOCK_T": block_t, "BLOCK_E": experts, "GROUP_E": mr.GROUP_E,
                   "BLOCK_C": block_c, "NORM": norm, "ONE_STEP": block_c >= 2880, "PDL": True, "TOPK": topk,
@@ -454,6 +463,7 @@ CASES = {
     "router-topk-norm-1-token": lambda: _router_topk(1, 32, norm=True),
     "router-topk-norm-4-tokens": lambda: _router_topk(4, 32, norm=True),
     "router-logits-norm-1-token": lambda: _router_topk(1, 32, norm=True, topk=False),
+    "router-logits-norm-pairs-1-token": lambda: _router_topk(1, 32, norm=True, topk=False, pairs=True),
     "router-topk-norm-64-tokens": lambda: _router_topk(64, 32, norm=True),  # batch 64: a program per token
     "router-topk-norm-64-tokens-128-experts": lambda: _router_topk(64, 128, norm=True),
     "router-tiles-64-tokens": lambda: _router_tiles(64, 32),
@@ -481,6 +491,8 @@ CASES = {
     "gemv2-mma-k512-ahead-2": lambda: _gemv("gemv2", 32, 512, mma=True, ahead=2),
     "gemv2-mma-k256-ahead-2": lambda: _gemv("gemv2", 32, 256, mma=True, ahead=2),  # split K: 736 per split
     "gemv2-mma-k512-ahead-2-topk": lambda: _gemv("gemv2", 32, 512, experts=32, mma=True, ahead=2),
+    "gemv1-mma-pairs": lambda: _gemv("gemv1", 16, 256, experts=32, mma=True, ahead=2, pairs=True),
+    "gemv2-mma-pairs": lambda: _gemv("gemv2", 32, 512, experts=32, mma=True, ahead=2, pairs=True),
     "gemv2-mma-k512-ahead-1-topk-128": lambda: _gemv("gemv2", 32, 512, experts=128, mma=True),
     "group-gemm1": lambda: _group("gemm1", 32, 128),  # pick_config's at <= 2 rows per expert (32 experts)
     "group-gemm2": lambda: _group("gemm2", 64, 128),

@@ -14,6 +14,7 @@ operand widths against the constraint strings of asm_step.
 
 import numpy as np
 import pytest
+import torch
 from ptx_warp import (
     LANES,
     MASK,
@@ -26,7 +27,7 @@ from ptx_warp import (
     run,
 )
 
-from gptoss_cli.kernels.moe_gemv_mma import LOADED, _high_bytes, _pairs, asm_step
+from gptoss_cli.kernels.moe_gemv_mma import LOADED, _high_bytes, _pairs, asm_step, fp16_pairs
 from gptoss_cli.kernels.mxfp4 import FP4_VALUES
 
 FP16_SHIFT = 2.0**-14  # the asm's fp16 pairs hold FP4 values times 2**-14
@@ -112,6 +113,28 @@ def test_mma_step_matches_reference(gb, skip, seed):
     = acc_in + the scaled block dot products of its row; skip < 0 (a later K split)
     and skip >= gb (a split wholly repeated) occur in _mma_rows."""
     _check_step(gb, skip, seed)
+
+
+@pytest.mark.parametrize("gb,skip", STEP_CASES)
+def test_math_step_on_fp16_pairs_equals_the_converting_step(gb, skip):
+    """"math-pairs" reading fp16_pairs(x) in place of x ends with the same accumulator bits as
+    "math" on the bf16 activations: the loaded words are exactly the B registers _x_pairs builds."""
+    rng = np.random.default_rng(500 + 10 * gb + skip)
+    lay = packed_layout(rng, gb)
+    acc_in = (rng.standard_normal(LANES) * 2.0**-10).astype(np.float32)
+    _, want = _step(gb, lay, acc_in, skip)
+    pairs = fp16_pairs(torch.from_numpy(np.asarray(lay["x"][0], np.float32)).reshape(1, -1).to(torch.bfloat16))
+    mem = lay["mem"].copy()
+    mem[lay["x0"]:][:64 * gb] = pairs.view(torch.uint8).numpy().reshape(-1)
+    _, got = _step(gb, lay | {"mem": mem}, acc_in, skip, math_asm=asm_step("math-pairs", gb)[0])
+    assert (got["$0"] == want["$0"]).all()
+    assert "cvt" not in asm_step("math-pairs", gb)[0]
+
+
+def test_fp16_pairs_layout():
+    x = torch.arange(16, dtype=torch.float32).reshape(1, 16).to(torch.bfloat16)
+    assert fp16_pairs(x).float().tolist() == [[0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]]
+    assert torch.isinf(fp16_pairs(torch.full((1, 8), 1e5, dtype=torch.bfloat16))).all()  # the fp32 redo's trigger
 
 
 def test_pairs_decode_every_code_in_every_position():

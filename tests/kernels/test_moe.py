@@ -25,7 +25,7 @@ from gptoss_cli.kernels.moe import (
 )
 from gptoss_cli.kernels.moe_config import regime_config
 from gptoss_cli.kernels.moe_gemv import moe_gemv1_swiglu, moe_gemv2
-from gptoss_cli.kernels.moe_gemv_mma import mma_plan
+from gptoss_cli.kernels.moe_gemv_mma import fp16_pairs, mma_plan
 from gptoss_cli.kernels.moe_matmul import (
     FOLD_MAX_SCALE,
     _tile_heights,
@@ -422,8 +422,10 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
     limit, alpha = 3.0, 1.702
     want_act = moe_gemm1_swiglu_ref(x, r, w, limit, alpha)  # sorted rows; the gemv kernels use slot order
     in_slot_order = want_act[r.slot_rows.long()]
-    act = moe_gemv1_swiglu(x, r, w, limit, alpha, config)
+    act_pairs = torch.full((tokens * top_k, inter), float("nan"), dtype=torch.float16, device=device)
+    act = moe_gemv1_swiglu(x, r, w, limit, alpha, config, act_pairs=act_pairs)
     assert_close(act.float(), in_slot_order.float(), _tol(dtype, device), "gemv1+swiglu")
+    assert torch.equal(act_pairs, fp16_pairs(act))  # MoeConfig.gemv_pairs' second producer
     assert_close(moe_gemv2(in_slot_order, r, w, config), moe_gemm2_ref(want_act, r, w), _tol(dtype, device),
                  "gemv2")
 
@@ -1038,20 +1040,24 @@ def test_moe_block_matches_norm_moe_norm(device, tokens):
 # (4, 2500): several column steps; (12, 300): two token blocks, the second part-full; one token per
 # program: whole rows in one step, a program per token.
 @pytest.mark.parametrize("tokens,hidden,per_program", [(1, 2880, 8), (3, 300, 8), (4, 2500, 8), (12, 300, 8),
-                                                       (3, 2880, 1), (5, 300, 2)])
+                                                       (3, 2880, 1), (5, 300, 2), (4, 2504, 8)])
 def test_fused_router_norm_writes_the_normed_rows(device, tokens, hidden, per_program):
     # Each program writes its slice of the normalised rows and of x + residual: together, all of it,
-    # equal to the rms_norm kernel; the routing equals routing the normed rows.
+    # equal to the rms_norm kernel; the routing equals routing the normed rows. Where C is a
+    # multiple of 8, the rows in fp16_pairs form too (MoeConfig.gemv_pairs).
     experts = 32
     x, residual = torch.randn(tokens, hidden, device=device), torch.randn(tokens, hidden, device=device)
     weight = torch.rand(hidden, device=device)
     rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    pairs = torch.full((tokens, hidden), float("nan"), dtype=torch.float16, device=device) if hidden % 8 == 0 else None
     norm = moe_router.RouterNorm(residual, weight, 1e-5, torch.full_like(x, float("nan")),
-                                 torch.full_like(x, float("nan")))
+                                 torch.full_like(x, float("nan")), pairs)
     got = moe_router.route_tokens(x, rw, rb, 4, 16, sort=False, norm=norm, tokens_per_program=per_program)
     want_y, want_h = rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(norm.residual_out, want_h)
     assert_close(norm.out, want_y, 1e-6, "normed rows")
+    if pairs is not None:
+        assert torch.equal(pairs, fp16_pairs(norm.out))
     assert torch.equal(got.topk_ids, route(router_logits(norm.out, rw, rb), 4, 16).topk_ids)
     with pytest.raises(ValueError, match="alias"):
         moe_router.route_tokens(x, rw, rb, 4, 16, norm=moe_router.RouterNorm(residual, weight, 1e-5, x, norm.out))
@@ -1094,6 +1100,68 @@ def test_gemv_mma_matches_twins(config, tokens, experts, hidden, inter, top_k):
         moe_gemv1_swiglu(x, r, w, limit, alpha, f16).float(), in_slot_order.float()) + 1e-3
     y = moe_gemv2(in_slot_order, r, w, config)
     assert_close(y, moe_gemm2_ref(want_act, r, w), _tol(dtype, device), "gemv2 (mma)")
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [(1, 32, 2880, 2880, 4), (2, 8, 1024, 512, 4)])
+def test_gemv_mma_on_fp16_pairs_gives_the_same_bits(tokens, experts, hidden, inter, top_k):
+    # MoeConfig.gemv_pairs: the tensor-core steps load fp16_pairs(x) and gemv1's act pairs instead of
+    # converting bf16 in each step; the B registers are the same, so every output bit is.
+    from gptoss_cli.kernels import moe_gemv
+
+    config = pick_config(1, experts, top_k)  # the batch-1 gemv: 32-row gemv1, gemv2 split in two
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda"), row_group=16)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    assert moe_gemv._launch_options(config, x, w, 2 * config.block_n1, 2 * inter, config.block_k)["MMA"]
+    r = route(torch.randn(tokens, experts, device="cuda"), top_k, config.block_m)
+    want = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config)
+    act_pairs = torch.full((tokens * top_k, inter), float("nan"), dtype=torch.float16, device="cuda")
+    act = moe_gemv1_swiglu(x, r, w, 7.0, 1.702, config, x_pairs=fp16_pairs(x), act_pairs=act_pairs)
+    assert torch.equal(act, want) and torch.equal(act_pairs, fp16_pairs(act))
+    assert torch.equal(moe_gemv2(act, r, w, config, act_pairs=act_pairs), moe_gemv2(act, r, w, config))
+
+
+@requires_gpu
+def test_one_token_moe_block_with_fp16_pairs_gives_the_same_bits(monkeypatch):
+    # The whole batch-1 block with MoeConfig.gemv_pairs (the router's norm and gemv1 write the pairs)
+    # against it off: bit for bit, eager and replayed in a CUDA graph.
+    from gptoss_cli.kernels import moe as moe_module
+
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    w = prepare_moe_weights(*_raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123))
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    norm_w, next_w = ((torch.rand(hidden, device="cuda") + 0.5).to(torch.bfloat16) for _ in range(2))
+    x, residual = (torch.randn(1, hidden, device="cuda").to(torch.bfloat16) for _ in range(2))
+    ws = MoeWorkspace.allocate(1, w, top_k, torch.bfloat16, "cuda")
+
+    def block():
+        return moe_block(x, residual, norm_w, next_w, 1e-5, rw, rb, w, top_k, workspace=ws)
+
+    assert pick_config(1, experts, top_k).gemv_pairs  # the default at one token; compared here against off
+    plain_default = moe_module.pick_config
+
+    def plain(*args, **kwargs):
+        return dataclasses.replace(plain_default(*args, **kwargs), gemv_pairs=False)
+
+    monkeypatch.setattr(moe_module, "pick_config", plain)
+    want = [t.clone() for t in block()]
+    def with_pairs(*args, **kwargs):
+        return dataclasses.replace(plain_default(*args, **kwargs), gemv_pairs=True)
+
+    monkeypatch.setattr(moe_module, "pick_config", with_pairs)
+    got = block()
+    assert all(torch.equal(g, t) for g, t in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block()
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        monkeypatch.setattr(moe_module, "pick_config", plain)
+        ref = block()
+        monkeypatch.setattr(moe_module, "pick_config", with_pairs)
+        assert all(torch.equal(g, t) for g, t in zip(out, ref))
 
 
 def test_mma_plan_runs_one_step_ahead_where_k_is_one_step():

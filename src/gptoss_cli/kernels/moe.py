@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from . import moe_router, moe_router_tiles
 from .moe_config import MoeConfig, pick_config, regime_config
-from .moe_gemv import moe_gemv1_swiglu, moe_gemv2
+from .moe_gemv import moe_gemv1_swiglu, moe_gemv2, pairs_fit
 from .moe_group_mma import group_fits, moe_group_gemm1_swiglu, moe_group_gemm2
 from .moe_matmul import (
     MoeWeights,
@@ -222,7 +222,8 @@ def moe_block(
     cfg = pick_config(x.shape[0], w.num_experts, top_k, w.has_frag_scales)
     x, residual = x.contiguous(), residual.contiguous()
     if _router_fused(cfg, x.shape[0]):
-        norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x))
+        pairs = torch.empty(x.shape, dtype=torch.float16, device=x.device) if pairs_fit(cfg, x, w) else None
+        norm = moe_router.RouterNorm(residual, norm_weight, eps, torch.empty_like(x), torch.empty_like(x), pairs)
         y, cfg = _expert_outputs(x, router_weight, router_bias, w, top_k, limit, alpha, workspace, cfg, norm)
         residual = norm.residual_out
     else:
@@ -271,6 +272,7 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
                           num_tokens, top_k)
     bufs = workspace.views(num_tokens, top_k, cfg.block_m, dt, slot_dtype(cfg, dt)) if workspace else (None, None, None)
     late_logits = None  # router logits whose top-k gemv1 takes (MoeConfig.gemv_topk)
+    x_pairs = None  # the MoE input in fp16_pairs form (MoeConfig.gemv_pairs, from the router's norm)
     if _router_fused(cfg, num_tokens):
         scratch = workspace.router if workspace else moe_router.RouterScratch.allocate(w.num_experts, x.device)
         late_topk = cfg.gemv and cfg.gemv_topk
@@ -278,7 +280,7 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
             routing = moe_router.route_tokens(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
                                               sort=not cfg.gemv, scratch=scratch, norm=norm, topk=not late_topk)
         late_logits = scratch.logits if late_topk else None
-        x = x if norm is None else norm.out
+        x, x_pairs = (x, None) if norm is None else (norm.out, norm.pairs)
     elif cfg.router_tiles and num_tokens <= moe_router_tiles.MAX_TOKENS:
         with record_function("moe.router+route"):
             routing = moe_router_tiles.route_tiles(x, router_weight, router_bias, top_k, cfg.block_m, out=bufs[0],
@@ -293,12 +295,18 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
     gemm1 = moe_group_gemm1_swiglu if group else moe_gemm1_swiglu
     gemm2 = moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2
     with record_function("moe.w1+swiglu"):
+        act_pairs = None
+        if cfg.gemv and x_pairs is not None:
+            act_pairs = torch.empty((num_tokens * top_k, w.intermediate), dtype=torch.float16, device=x.device)
         if cfg.gemv:
-            act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits)
+            act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits, x_pairs=x_pairs,
+                                   act_pairs=act_pairs)
         else:
             act = gemm1(x, routing, w, limit, alpha, cfg, out=bufs[1])
     with record_function("moe.w2"):
         # Split-K partial slabs do not fit the workspace's y; they are allocated (graph-safe).
         late = {"logits": late_logits} if cfg.gemv and cfg.gemv2_topk else {}
+        if act_pairs is not None:
+            late["act_pairs"] = act_pairs
         y = gemm2(act, routing, w, cfg, out=bufs[2] if cfg.split_k == 1 else None, **late)
     return y, cfg

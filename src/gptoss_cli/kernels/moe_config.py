@@ -64,6 +64,11 @@ class MoeConfig:
     # gemv_mma: K steps whose loads are in flight while a step's mmas run (1 or 2; 1 where K is one
     # step long).
     gemv_ahead: int = 1
+    # gemv_mma with the fused router's norm (moe_block at T = 1): the router launch also writes the
+    # normalised row in fp16_pairs form (the mma's B registers) and gemv1 its act, so that the gemvs'
+    # K steps load B instead of converting bf16 in every step of every program (offline sm_90 K
+    # loops: gemv1 181 -> 157 SASS instructions, gemv2 350 -> 306).
+    gemv_pairs: bool = False
     # Decode tiles of 16 rows (block_m 16, no split-K) on the tensor cores fed from the packed
     # words (moe_group_mma.py; GPU, bf16 activations, weights with row_group 16, shapes as
     # gemv_mma's): B's 8 columns are 8 of an expert's rows, a second group of 8 shares each unpacked
@@ -235,12 +240,14 @@ def pick_config(num_tokens: int, num_experts: int, top_k: int, frag_scales: bool
         # 2.585 -> 2.462. gemv1 split along K (two 64-row K ranges, the last to arrive running the
         # SwiGLU) was slower: 1.663 -> 1.717. The combine with the next norm over 256-column programs
         # (combine_block, session 32): 1.627 / 1.628 -> 1.617 / 1.621 ms (128: 1.623, 512: 1.623),
-        # 120b 2.437 -> 2.426; at batch 64 it lost (5.909 -> 5.969), so only here.
+        # 120b 2.437 -> 2.426; at batch 64 it lost (5.909 -> 5.969), so only here. The gemvs on B pairs
+        # written by their producers (gemv_pairs, session 33): 1.610 / 1.607 -> 1.580 / 1.579 ms (gemv1's
+        # critical share 420 -> 379 us per step, the router's 84 -> 97), 120b 2.422 -> 2.403.
         wide = 64 if is_interpreted() else 0
         return MoeConfig("decode", 16, wide or 16, wide or 32, 512 if wide else 256, num_warps=4, num_stages=3,
                          asm_dequant=True, gemv=True, gemv_f16=True, fused_router=True, gemv_topk=True,
                          gemv_mma=True, gemv_ahead=2, block_k2=512, split_k=1 if wide else 2, gemv2_topk=True,
-                         combine_block=256)
+                         combine_block=256, gemv_pairs=True)
     return regime_config("decode" if per_expert <= DECODE_MAX_ROWS_PER_EXPERT else "prefill", num_tokens,
                          num_experts, top_k, frag_scales)
 

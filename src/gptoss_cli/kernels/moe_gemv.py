@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .moe_config import MoeConfig
-from .moe_gemv_mma import _mma_rows, mma_plan
+from .moe_gemv_mma import _mma_rows, mma_plan, pairs_index
 from .moe_matmul import (
     BLOCK_BYTES,
     MoeWeights,
@@ -215,14 +215,20 @@ def _row_dots(
     x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, n_rows,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, ROW_GROUP: tl.constexpr,
     MMA: tl.constexpr, MMA_SPLITS: tl.constexpr, MMA_AHEAD: tl.constexpr, WAIT: tl.constexpr = False,
+    xp_row=None,
 ):  # fmt: skip
     """The program's BLOCK_R dot products (rows wrows, n_rows in all): on the tensor cores when MMA
     (moe_gemv_mma.py; only with F16), else packed fp16 when F16; either redone in fp32 if an fp16
     value overflowed. WAIT: the PDL wait is still to come (the mma form issues its first weight
-    loads before it)."""
+    loads before it). xp_row (mma form): the same row in fp16_pairs form, which the tensor-core
+    steps then read instead of converting x_row (the fp32 redo still reads x_row)."""
     if MMA:
-        acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
-                        stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT)
+        if xp_row is not None:
+            acc = _mma_rows(xp_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
+                            stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT, True)
+        else:
+            acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
+                            stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT)
     elif F16:
         wait_for_previous(WAIT)
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
@@ -290,7 +296,7 @@ def _gemv1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
     MMA_AHEAD: tl.constexpr = 1, LOGITS: tl.constexpr = False,
-    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, xp_ptr=None, ap_out_ptr=None,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
@@ -302,15 +308,19 @@ def _gemv1_swiglu_kernel(
     # 2*BLOCK_N consecutive W1 rows = BLOCK_N interleaved (gate, up) pairs.
     wrows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     wrow_ok = wrows < 2 * inter
+    xp_row = xp_ptr + token.to(tl.int64) * hidden if xp_ptr is not None else None  # fp16_pairs rows: [T, hidden]
     acc = _row_dots(x_ptr + token.to(tl.int64) * stride_xt, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     wrows, wrow_ok, hidden, stride_wn, stride_sg, 2 * inter, 2 * BLOCK_N, BLOCK_K, ASM, F16,
-                    ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD)
+                    ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD, False, xp_row)
     acc += tl.load(bias_ptr + expert * (2 * inter) + wrows, mask=wrow_ok, other=0.0)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = _swiglu(gate, up, limit, alpha)
     row = tl.program_id(0).to(tl.int64)
     tl.store(act_ptr + row * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=cols < inter)
+    if ap_out_ptr is not None:  # act in fp16_pairs form for gemv2 (BLOCK_N holds whole groups of 8)
+        rounded = out.to(act_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(ap_out_ptr + row * inter + pairs_index(cols), rounded.to(tl.float16), mask=cols < inter)
 
 
 @triton.jit
@@ -320,6 +330,7 @@ def _gemv2_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
     ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1, MMA_AHEAD: tl.constexpr = 1,
     LOGITS: tl.constexpr = False, TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+    ap_ptr=None,
 ):  # fmt: skip
     # LOGITS: the router's logits come from two launches back (gemv1 runs between), which have
     # finished by the time this launch starts (pdl.py): the routing is taken from them before the
@@ -341,8 +352,10 @@ def _gemv2_kernel(
     act_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_at + k_lo
     w_base = w_ptr + expert * stride_we + (k_lo // 32) * (BLOCK_BYTES * ROW_GROUP)
     s_base = s_ptr + expert * stride_se + (k_lo // 32) * stride_sg
+    # fp16_pairs rows of act: [S, inter]; a K range starts at a whole block, so its pairs start there too
+    ap_row = ap_ptr + tl.program_id(0).to(tl.int64) * inter + k_lo if ap_ptr is not None else None
     acc = _row_dots(act_row, w_base, s_base, rows, ok, tl.minimum(k_chunk, inter - k_lo), stride_wn, stride_sg,
-                    hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD, late_wait)
+                    hidden, BLOCK_N, BLOCK_K, ASM, F16, ROW_GROUP, MMA, MMA_SPLITS, MMA_AHEAD, late_wait, ap_row)
     # The routing weight scales the bias too (gpt-oss-model.md §2.5 step 4); split 0 adds it.
     bias = tl.load(bias_ptr + expert * hidden + rows, mask=ok & (split == 0), other=0.0)
     y = (acc + bias) * gamma
@@ -383,6 +396,25 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
             "ROW_GROUP": w.row_group, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def pairs_fit(config: MoeConfig, x: torch.Tensor, w: MoeWeights) -> bool:
+    """Whether MoeConfig.gemv_pairs applies to a gemv step on x: gemv1 runs the tensor-core form
+    (the only reader of the pairs) and every producer's rows come in whole groups of 8."""
+    return (config.gemv and config.gemv_pairs and w.hidden % 8 == 0 and w.intermediate % 8 == 0
+            and config.block_n1 % 8 == 0
+            and _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)["MMA"])
+
+
+def _pairs_option(pairs: torch.Tensor | None, options: dict, a: torch.Tensor, name: str) -> dict:
+    """The kernel argument `name` for activations `a` in fp16_pairs form (a contiguous fp16 tensor
+    of a's shape), where the launch runs the tensor-core form (options["MMA"]); else none."""
+    if pairs is None:
+        return {}
+    if pairs.dtype != torch.float16 or pairs.shape != a.shape or not pairs.is_contiguous():
+        raise ValueError(f"activation pairs must be a contiguous fp16 {tuple(a.shape)} tensor (fp16_pairs), got "
+                         f"{pairs.dtype} {tuple(pairs.shape)}")
+    return {name: pairs} if options["MMA"] else {}
+
+
 def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights) -> dict:
     """The launch options of a gemv that takes its routing from router logits (None: from routing)."""
     if logits is None:
@@ -396,33 +428,41 @@ def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeig
 
 def moe_gemv1_swiglu(
     x: torch.Tensor, routing: MoeRouting, w: MoeWeights, limit: float, alpha: float, config: MoeConfig,
-    out: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, logits: torch.Tensor | None = None, x_pairs: torch.Tensor | None = None,
+    act_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows).
     logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them): the top-k and
     softmax are taken here and stored in routing.topk_ids / topk_weights, saving the router
-    launch its arrival counter and serial top-k tail."""
+    launch its arrival counter and serial top-k tail. x_pairs: fp16_pairs(x), which the
+    tensor-core form then reads instead of converting x in every K step of every program;
+    act_pairs: a contiguous fp16 [S, I] buffer that receives fp16_pairs(act) for moe_gemv2."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
-    extra = _logits_options(logits, routing, w)
+    options = _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)
+    extra = _logits_options(logits, routing, w) | _pairs_option(x_pairs, options, x, "xp_ptr")
+    if act_pairs is not None:
+        extra |= _pairs_option(act_pairs, {"MMA": True}, act, "ap_out_ptr")
+        if config.block_n1 % 8:
+            raise ValueError(f"act_pairs needs whole groups of 8 columns per program, block_n1 is {config.block_n1}")
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
         w.w1_scales, w.w1_scales.stride(0), w.w1_scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.topk_ids, w.hidden, w.intermediate, float(limit), float(alpha),
         lg, lg.stride(0), routing.topk_weights, w.num_experts,
-        TOP_K=routing.top_k, BLOCK_N=config.block_n1,
-        **_launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k), **extra,
+        TOP_K=routing.top_k, BLOCK_N=config.block_n1, **options, **extra,
     )  # fmt: skip
     return act
 
 
 def moe_gemv2(
     act: torch.Tensor, routing: MoeRouting, w: MoeWeights, config: MoeConfig, out: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None, act_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights. With
+    """act [S, I] (slot order) -> y [S, C] fp32 in slot order, scaled by the routing weights.
+    act_pairs: fp16_pairs(act), as moe_gemv1_swiglu's x_pairs. With
     config.split_k = P > 1: y [P*S, C], P slabs of partial sums over K ranges (moe_combine(splits=P)
     adds them), P times the programs for a kernel that runs out of programs per SM at one token.
     logits (as moe_gemv1_swiglu's, which must run between the router's launch and this one): the
@@ -435,13 +475,13 @@ def moe_gemv2(
         return y
     chunk = k_chunk(w.intermediate, splits)
     shortest = w.intermediate - (splits - 1) * chunk
-    extra = _logits_options(logits, routing, w)
+    options = _launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest)
+    extra = _logits_options(logits, routing, w) | _pairs_option(act_pairs, options, act, "ap_ptr")
     lg = logits if logits is not None else act  # placeholder: not read without LOGITS
     _gemv2_kernel[(slots, triton.cdiv(w.hidden, config.block_n2), splits)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
         w.w2_scales, w.w2_scales.stride(0), w.w2_scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.topk_ids, w.hidden, w.intermediate, chunk,
-        lg, lg.stride(0), w.num_experts, BLOCK_N=config.block_n2, TOP_K=routing.top_k,
-        **_launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest), **extra,
+        lg, lg.stride(0), w.num_experts, BLOCK_N=config.block_n2, TOP_K=routing.top_k, **options, **extra,
     )  # fmt: skip
     return y

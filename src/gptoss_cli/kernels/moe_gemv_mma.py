@@ -52,6 +52,7 @@ path's fp16 block sums. The x loads are in a non-pure asm so that they stay afte
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -121,14 +122,15 @@ def _load_asm(gb: int, nc: bool = True) -> str:
             f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};\n" + "".join(out) + "\n}")
 
 
-def _math_asm(gb: int) -> str:
+def _math_asm(gb: int, pairs: bool = False) -> str:
     """The mmas of one K step (_load_asm's registers): $0 = $1 + the scaled dot products of lane
     (r, t)'s row r + 8t of the pair; block column g's loaded registers at $(2 + 5 g) on, in
     _load_asm's order; then the address of x[8t] at the step's first block column (block column g:
     + 64 g bytes), read for g >= the next input (zeros before: the last step is moved back to end at
     K, and the block columns it repeats must count as x = 0), then t. Lane (r, t) holds D rows r and
     r + 8 of both tiles' mmas (every B column is the token) and keeps the one of row r + 8t: tile
-    t // 2, row r + 8 (t % 2)."""
+    t // 2, row r + 8 (t % 2). `pairs`: x is already in B's form (fp16_pairs), so the four loaded
+    words are the B registers and the step converts nothing."""
     n = 2 * TILES.value
     x0, skip, lane_t = (f"${2 + LOADED * gb + i}" for i in range(3))
     xs = [[f"x{g}_{i}" for i in range(4)] for g in range(gb)]
@@ -139,21 +141,26 @@ def _math_asm(gb: int) -> str:
     for g in range(gb):
         base = 2 + LOADED * g
         words, scale = [f"${base + k}" for k in range(n)], f"${base + n}"
-        math.append(_x_pairs(xs[g], ("b0", "b1", "b2", "b3")))
+        if pairs:
+            b = xs[g]
+        else:
+            b = ("b0", "b1", "b2", "b3")
+            math.append(_x_pairs(xs[g], b))
         for m in range(TILES.value):
             math.append(_high_bytes(words[2 * m]) + _pairs(("a0", "a2", "a4", "a6")))
             math.append(_high_bytes(words[2 * m + 1]) + _pairs(("a1", "a3", "a5", "a7")))
             math.append(
-                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {b0, b1},"
-                " {z, z, z, z};"
-                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7}, {b2, b3},"
-                f" {{d0, d1, d2, d3}};\nselp.f32 v{m}, d2, d0, odd;")
+                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3},"
+                f" {{{b[0]}, {b[1]}}}, {{z, z, z, z}};"
+                "\nmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7},"
+                f" {{{b[2]}, {b[3]}}}, {{d0, d1, d2, d3}};\nselp.f32 v{m}, d2, d0, odd;")
         acc = "$0" if g else "$1"
         math.append(f"\nselp.f32 v0, v1, v0, second; shl.b32 u, {scale}, 23; mov.b32 fs, u; fma.rn.f32 $0, v0, fs, {acc};")
     return (
-        "{\n.reg .pred p, odd, second;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, "
-        + ", ".join(r for g in xs for r in g) + ";"
-        "\n.reg .f32 d0, d1, d2, d3, z, fs, fl, fh, v0, v1;\nmov.f32 z, 0f00000000;" + "".join(math) + "\n}"
+        "{\n.reg .pred p, odd, second;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7"
+        + ("" if pairs else ", b0, b1, b2, b3") + ", " + ", ".join(r for g in xs for r in g) + ";"
+        "\n.reg .f32 d0, d1, d2, d3, z, fs" + ("" if pairs else ", fl, fh") + ", v0, v1;\nmov.f32 z, 0f00000000;"
+        + "".join(math) + "\n}"
     )
 
 
@@ -209,13 +216,13 @@ def _group_math_asm(gb: int, groups: int) -> str:
 
 def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
     """(text, constraints, result types) of one asm step over gb block columns: "load"
-    (_load_asm), "load-early" (its plain-load form), "math" (_math_asm) or "group" (_group_math_asm
-    over `groups` groups of 8 tokens)."""
+    (_load_asm), "load-early" (its plain-load form), "math" (_math_asm), "math-pairs" (its form on
+    fp16_pairs activations) or "group" (_group_math_asm over `groups` groups of 8 tokens)."""
     loads = LOADED * gb
     if kind in ("load", "load-early"):
         return _load_asm(gb, kind == "load"), "=r," * loads + "l,l,l,r", (tl.int32,) * loads
-    if kind == "math":
-        return _math_asm(gb), "=f,f" + ",r" * loads + ",l,r,r", (tl.float32,)
+    if kind in ("math", "math-pairs"):
+        return _math_asm(gb, kind == "math-pairs"), "=f,f" + ",r" * loads + ",l,r,r", (tl.float32,)
     n = 8 * groups
     return (_group_math_asm(gb, groups), "=f," * n + "f," * n + "r," * loads + "l," * groups + "r",
             (tl.float32,) * n)
@@ -224,7 +231,8 @@ def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
 # Every step the kernels take, built once: a constexpr function may read a dict but not call a
 # plain Python function.
 _ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
-              for kind, groups in (("load", 0), ("load-early", 0), ("math", 0), ("group", 1), ("group", 2))
+              for kind, groups in (("load", 0), ("load-early", 0), ("math", 0), ("math-pairs", 0), ("group", 1),
+                                   ("group", 2))
               for gb in (1, 2, 4)}
 
 
@@ -265,9 +273,13 @@ def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, EARLY: tl.cons
 
 
 @triton.jit
-def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t):
-    """_math_asm(GB): the accumulator after one K step of `loaded` (_load_step's tuple)."""
-    return _asm_call("math", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
+def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t, PAIRS: tl.constexpr = False):
+    """_math_asm(GB, PAIRS): the accumulator after one K step of `loaded` (_load_step's tuple)."""
+    if PAIRS:
+        out = _asm_call("math-pairs", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
+    else:
+        out = _asm_call("math", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
+    return out
 
 
 @triton.jit
@@ -283,11 +295,12 @@ def _group_math_step(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs
 
 
 @triton.jit
-def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t):
+def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t,
+             PAIRS: tl.constexpr = False):
     """One K step's mmas at block column kb: the batch-1 step (GROUPS 0: one accumulator, one x
-    pointer tensor) or the grouped one (tuples)."""
+    pointer tensor; PAIRS: x in fp16_pairs form) or the grouped one (tuples)."""
     if GROUPS == 0:
-        out = _math_step(GB, acc, loaded, (x_ptrs + kb * 32).to(tl.int64), skip, lane_t)
+        out = _math_step(GB, acc, loaded, (x_ptrs + kb * 32).to(tl.int64), skip, lane_t, PAIRS)
     else:
         out = _group_math_step(GB, GROUPS, acc, loaded, x_ptrs, kb, skip)
     return out
@@ -315,12 +328,13 @@ def _lanes(w_base, s_base, first_tile, n_tiles, stride_wn, stride_sg, P: tl.cons
 @triton.jit
 def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, lane_t, n_blocks,
             GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, GROUPS: tl.constexpr,
-            WAIT: tl.constexpr = False):
+            WAIT: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """acc after the whole K loop (_math_at's accumulators). Each K step covers KS * GB block
     columns; the loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas.
     Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
     WAIT: the PDL wait (pdl.py) comes here, after the first AHEAD steps' weight loads and before
-    the first activation load, for a kernel that knows its expert before the wait."""
+    the first activation load, for a kernel that knows its expert before the wait. PAIRS: the
+    batch-1 step's activations are in fp16_pairs form."""
     per_step = KS * GB
     last = n_blocks - per_step  # the last step is moved back to end at K
     final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
@@ -330,28 +344,29 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
         wait_for_previous(WAIT)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t, PAIRS)
             loaded = second
             second = ahead
-        acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t)
+        acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t, PAIRS)
         loaded = second
     else:
         wait_for_previous(WAIT)
         for kb in range(per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t, PAIRS)
             loaded = ahead
     # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
     moved = tl.minimum(final, last)
-    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, (final - moved) + no_skip, lane_t)
+    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, (final - moved) + no_skip, lane_t, PAIRS)
 
 
 @triton.jit
 def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_sg,
-              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, WAIT: tl.constexpr = False):
+              T: tl.constexpr, GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, WAIT: tl.constexpr = False,
+              PAIRS: tl.constexpr = False):
     """[T * 16] fp32 = W[16 first_tile .. + 16 T, :K] @ x[:K] in row order (tiles past n_tiles:
     garbage, to be masked by the caller); NaN/inf where an activation overflowed fp16. WAIT: the
-    PDL wait after the first weight loads (_k_loop).
+    PDL wait after the first weight loads (_k_loop). PAIRS: x_row is the row in fp16_pairs form.
     Tensors are [KS, T // TILES, 32] (K split, pair of tiles, lane): _k_loop's steps.
     All memory goes through the inline asm, so no layout choice of Triton's can move the lanes
     off the last dimension."""
@@ -360,7 +375,7 @@ def _mma_rows(x_row, w_base, s_base, first_tile, n_tiles, K, stride_wn, stride_s
                                                                 stride_sg, P, GB, KS)
     x_ptrs = x_row + lane_t * 8 + own * 32  # every B column holds the token
     acc = _k_loop(tl.zeros((KS, P, 32), dtype=tl.float32), x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg,
-                  full - own, lane_t, K // 32, GB, KS, AHEAD, 0, WAIT)
+                  full - own, lane_t, K // 32, GB, KS, AHEAD, 0, WAIT, PAIRS)
     rows = tl.reshape(tl.sum(acc, axis=0), (P, 8, 4))  # lane (r, t): row r + 8t of pair p
     return tl.reshape(tl.permute(rows, (0, 2, 1)), (T * 16,)) * FP16_SHIFT
 
@@ -430,6 +445,25 @@ def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, l
     first = tl.minimum(kb, last)
     return _load_step(GB, (w_ptrs + first * 256).to(tl.int64), w_tile, (s_ptrs + first * stride_sg).to(tl.int64),
                       s_block, EARLY)
+
+
+@triton.jit
+def pairs_index(cols):
+    """Where fp16_pairs puts activation column `cols`: value i of each 8 at 2 i, value i + 4 at
+    2 i + 1 (i < 4). Producers store their rows through it (scattered within 16 bytes)."""
+    j = cols % 8
+    return cols - j + (j % 4) * 2 + j // 4
+
+
+def fp16_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Activations [T, K] (K a multiple of 8) -> [T, K] fp16 in the batch-1 math step's B form: in
+    each 8 values x_0 .. x_7, the pairs (x_i, x_(i + 4)), i = 0 .. 3, x_i in the low half, as
+    _x_pairs builds them from bf16 in every K step of every program (cvt.rn: round to nearest, and
+    inf beyond fp16's range, which sends the gemv to its fp32 redo as before)."""
+    t, k = x.shape
+    if k % 8:
+        raise ValueError(f"fp16_pairs: K must be a multiple of 8, got {k}")
+    return x.reshape(t, k // 8, 2, 4).transpose(2, 3).reshape(t, k).to(torch.float16)
 
 
 def mma_splits(rows: int, block_k: int, num_warps: int) -> int:

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import is_interpreted
+from .moe_gemv_mma import pairs_index
 from .moe_routing import (
     MoeRouting,
     _topk_softmax_store,
@@ -86,16 +87,20 @@ def _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cols, mask, NORM: 
 
 
 @triton.jit
-def _normed_slice(h, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype: tl.constexpr):
+def _normed_slice(h, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype: tl.constexpr,
+                  yp_ptr=None):
     """y = h * rstd * nw rounded to the activation dtype (rms_norm's output) for columns c0 + cs;
     stores this program's slice of y and of h (the rows' residual stream) and returns y in fp32.
-    Mirrors rmsnorm.normalize_rows, whose arithmetic it must repeat."""
+    Mirrors rmsnorm.normalize_rows, whose arithmetic it must repeat. yp_ptr: y in fp16_pairs form
+    too (RouterNorm.pairs): each column of the slice to its place there."""
     nw = tl.load(nw_ptr + c0 + cs, mask=c_ok, other=0.0).to(tl.float32)
     y = (h * rstd[:, None] * nw[None, :]).to(out_dtype)
     mine = mask & ((c0 + cs) // tl.cdiv(hidden, tl.num_programs(0)) == pid)[None, :]
     dst = rows[:, None] * hidden + c0 + cs[None, :]
     tl.store(h_ptr + dst, h.to(out_dtype), mask=mine)
     tl.store(y_ptr + dst, y, mask=mine)
+    if yp_ptr is not None:
+        tl.store(yp_ptr + rows[:, None] * hidden + pairs_index(c0 + cs)[None, :], y.to(tl.float16), mask=mine)
     return y.to(tl.float32)
 
 
@@ -106,7 +111,7 @@ def _router_split_kernel(
     res_ptr, stride_rt, nw_ptr, eps, y_ptr, h_ptr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_E: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
-    PDL: tl.constexpr, TOPK: tl.constexpr = True, BLOCK_TA: tl.constexpr = 1,
+    PDL: tl.constexpr, TOPK: tl.constexpr = True, BLOCK_TA: tl.constexpr = 1, yp_ptr=None,
 ):  # fmt: skip
     """Program (i, j): experts GROUP_E * i .., tokens BLOCK_T * j ..; the last to arrive takes the
     top-k of all tokens, BLOCK_TA rows (one histogram row) at a time."""
@@ -129,7 +134,7 @@ def _router_split_kernel(
         x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, cs, mask, NORM)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x * x, 1) / hidden + eps)
-            x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, 0, cs, c_ok, mask, hidden, pid, out_dtype)
+            x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, 0, cs, c_ok, mask, hidden, pid, out_dtype, yp_ptr)
         acc = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     else:
         wait_for_previous(PDL)
@@ -147,7 +152,8 @@ def _router_split_kernel(
             mask = row_ok[:, None] & c_ok[None, :]
             x = _residual_sum(x_ptr, stride_xt, res_ptr, stride_rt, rows, c0 + cs, mask, NORM)
             if NORM:
-                x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype)
+                x = _normed_slice(x, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidden, pid, out_dtype,
+                                  yp_ptr)
             # F.linear casts the weight to the activation dtype first: so do we.
             w = tl.load(w_ptr + es[:, None] * stride_we + c0 + cs[None, :], mask=e_ok[:, None] & c_ok[None, :],
                         other=0.0).to(out_dtype).to(tl.float32)
@@ -177,13 +183,15 @@ def _router_split_kernel(
 @dataclass
 class RouterNorm:
     """rms_norm(x, weight, eps, residual) done inside route_tokens: the normalised rows go to `out`
-    (the MoE input) and x + residual to `residual_out` ([T, C] contiguous, x.dtype)."""
+    (the MoE input) and x + residual to `residual_out` ([T, C] contiguous, x.dtype); with `pairs`
+    (contiguous fp16 [T, C]) the normalised rows in fp16_pairs form too (MoeConfig.gemv_pairs)."""
 
     residual: torch.Tensor
     weight: torch.Tensor
     eps: float
     out: torch.Tensor
     residual_out: torch.Tensor
+    pairs: torch.Tensor | None = None
 
 
 def launch_blocks(num_tokens: int, num_experts: int, hidden: int, group_e: int = GROUP_E,
@@ -229,6 +237,9 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
                 raise ValueError(f"norm.{name} must be a {x.dtype} [T, C] tensor like x, got {t.dtype} {tuple(t.shape)}")
         if not (norm.out.is_contiguous() and norm.residual_out.is_contiguous()) or norm.weight.shape != (hidden,):
             raise ValueError("norm.out / norm.residual_out must be contiguous and norm.weight [C]")
+        if norm.pairs is not None and (norm.pairs.shape != x.shape or norm.pairs.dtype != torch.float16
+                                       or not norm.pairs.is_contiguous() or hidden % 8):
+            raise ValueError("norm.pairs must be a contiguous fp16 [T, C] tensor, C a multiple of 8")
         inputs = {x.data_ptr(), norm.residual.data_ptr()}
         if norm.out.data_ptr() in inputs or norm.residual_out.data_ptr() in inputs:
             raise ValueError("norm.out / norm.residual_out must not alias x or the residual (other programs read them)")
@@ -248,8 +259,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
         n.residual, n.residual.stride(0), n.weight, float(n.eps), n.out, n.residual_out,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), GROUP_E=group_e, BLOCK_C=block_c, NORM=norm is not None,
-        ONE_STEP=block_c >= hidden, TOPK=topk, BLOCK_TA=block_ta, num_warps=num_warps,
-        **pdl_launch(pdl_enabled(x)),
+        ONE_STEP=block_c >= hidden, TOPK=topk, BLOCK_TA=block_ta, yp_ptr=norm.pairs if norm else None,
+        num_warps=num_warps, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     if sort:
         sort_slots(out, block_ta, 4)
