@@ -430,6 +430,20 @@ def test_gemv_stages_match_twins(device, config, tokens, experts, hidden, inter,
                  "gemv2")
 
 
+def test_gemv_pairs_buffers_are_checked(device):
+    w = prepare_moe_weights(*_raw_weights(4, 64, 96, device))
+    x = torch.randn(1, 64, device=device)
+    r = route(torch.randn(1, 4, device=device), 2, GEMV.block_m)
+    for bad in (torch.empty(2, 96, device=device), torch.empty(2, 64, dtype=torch.float16, device=device)):
+        with pytest.raises(ValueError, match="activation pairs"):
+            moe_gemv1_swiglu(x, r, w, 7.0, 1.702, GEMV, act_pairs=bad)
+    norm = moe_router.RouterNorm(x, torch.ones(64, device=device), 1e-5, torch.empty_like(x), torch.empty_like(x),
+                                 torch.empty(1, 64, device=device))  # fp32: not the pairs' dtype
+    with pytest.raises(ValueError, match="norm.pairs"):
+        moe_router.route_tokens(x, torch.randn(4, 64, device=device), torch.randn(4, device=device), 2, 16,
+                                sort=False, norm=norm)
+
+
 @pytest.mark.parametrize("config", [GEMV, dataclasses.replace(GEMV, asm_dequant=True, gemv_f16=True)],
                          ids=["plain", "f16"])
 @pytest.mark.parametrize("inter,split_k", [(96, 2), (96, 3), (160, 3), (224, 4)])

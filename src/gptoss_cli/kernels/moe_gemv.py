@@ -318,7 +318,7 @@ def _gemv1_swiglu_kernel(
     out = _swiglu(gate, up, limit, alpha)
     row = tl.program_id(0).to(tl.int64)
     tl.store(act_ptr + row * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=cols < inter)
-    if ap_out_ptr is not None:  # act in fp16_pairs form for gemv2 (BLOCK_N holds whole groups of 8)
+    if ap_out_ptr is not None:  # act in fp16_pairs form for gemv2, each column to its place there
         rounded = out.to(act_ptr.dtype.element_ty).to(tl.float32)
         tl.store(ap_out_ptr + row * inter + pairs_index(cols), rounded.to(tl.float16), mask=cols < inter)
 
@@ -398,21 +398,26 @@ def _launch_options(config: MoeConfig, a: torch.Tensor, w: MoeWeights, rows: int
 
 def pairs_fit(config: MoeConfig, x: torch.Tensor, w: MoeWeights) -> bool:
     """Whether MoeConfig.gemv_pairs applies to a gemv step on x: gemv1 runs the tensor-core form
-    (the only reader of the pairs) and every producer's rows come in whole groups of 8."""
+    (the only reader of the pairs) and the rows come in whole groups of 8."""
     return (config.gemv and config.gemv_pairs and w.hidden % 8 == 0 and w.intermediate % 8 == 0
-            and config.block_n1 % 8 == 0
             and _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)["MMA"])
 
 
+def _checked_pairs(pairs: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """pairs, checked as the fp16_pairs form of activations `a`: contiguous fp16 of a's shape, rows
+    of whole groups of 8 (pairs_index maps a partial group past the row)."""
+    if pairs.dtype != torch.float16 or pairs.shape != a.shape or not pairs.is_contiguous() or a.shape[-1] % 8:
+        raise ValueError(f"activation pairs must be a contiguous fp16 {tuple(a.shape)} tensor (fp16_pairs) with "
+                         f"rows of whole groups of 8, got {pairs.dtype} {tuple(pairs.shape)}")
+    return pairs
+
+
 def _pairs_option(pairs: torch.Tensor | None, options: dict, a: torch.Tensor, name: str) -> dict:
-    """The kernel argument `name` for activations `a` in fp16_pairs form (a contiguous fp16 tensor
-    of a's shape), where the launch runs the tensor-core form (options["MMA"]); else none."""
+    """The kernel argument `name` for activations `a` in fp16_pairs form (_checked_pairs), where the
+    launch runs the tensor-core form (options["MMA"]), its only reader; else none."""
     if pairs is None:
         return {}
-    if pairs.dtype != torch.float16 or pairs.shape != a.shape or not pairs.is_contiguous():
-        raise ValueError(f"activation pairs must be a contiguous fp16 {tuple(a.shape)} tensor (fp16_pairs), got "
-                         f"{pairs.dtype} {tuple(pairs.shape)}")
-    return {name: pairs} if options["MMA"] else {}
+    return {name: _checked_pairs(pairs, a)} if options["MMA"] else {}
 
 
 def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights) -> dict:
@@ -443,9 +448,7 @@ def moe_gemv1_swiglu(
     options = _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)
     extra = _logits_options(logits, routing, w) | _pairs_option(x_pairs, options, x, "xp_ptr")
     if act_pairs is not None:
-        extra |= _pairs_option(act_pairs, {"MMA": True}, act, "ap_out_ptr")
-        if config.block_n1 % 8:
-            raise ValueError(f"act_pairs needs whole groups of 8 columns per program, block_n1 is {config.block_n1}")
+        extra["ap_out_ptr"] = _checked_pairs(act_pairs, act)
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
     _gemv1_swiglu_kernel[(act.shape[0], triton.cdiv(w.intermediate, config.block_n1))](
         x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),

@@ -48,6 +48,13 @@ Numerics: FP4 values are exact in fp16; a bf16 activation is exact in fp16 down 
 the nearest 2**-24 below), and overflows beyond 65504, which makes the program redo its rows in
 fp32 (_mx_gemv). Products and sums are the tensor cores' fp32, more exact than the packed-fp16
 path's fp16 block sums. The x loads are in a non-pure asm so that they stay after the PDL wait.
+
+B pairs (MoeConfig.gemv_pairs): the B registers depend only on the token's row, yet every warp of
+every program rebuilds them in every K step (_x_pairs, ~20 % of gemv1's K loop). fp16_pairs is
+that form of a whole row (the same cvt.rn values), written once by the row's producer (the
+router's norm for gemv1, gemv1's epilogue for gemv2's act) through pairs_index; "math-pairs"
+then loads the four B words directly (offline sm_90: gemv1's loop 181 -> 157 SASS instructions,
+gemv2's 350 -> 306).
 """
 
 from __future__ import annotations
