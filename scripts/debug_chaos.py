@@ -13,8 +13,11 @@ r32 = ReferenceModel(load_checkpoint(path, device="cuda"), dtype=torch.float32)
 b = r32.forward([(ids, r32.new_cache())], all_logits=True)
 print("bf16 ref vs fp32 ref mean row rel err", rel(a, b), flush=True)
 del r32
-from transformers import GptOssForCausalLM
-hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+from transformers import GptOssForCausalLM, Mxfp4Config
+# Dequantised explicitly: with the `kernels` package (a dependency from transformers 5.25) it would
+# otherwise fetch MXFP4 kernels from the Hub, which the GPU machine cannot reach.
+hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                       quantization_config=Mxfp4Config(dequantize=True)).eval()
 with torch.no_grad():
     c = hf(torch.tensor([ids], device="cuda")).logits[0]
 print("bf16 ref vs transformers bf16", rel(a, c), " transformers bf16 vs fp32 ref", rel(c, b), flush=True)
