@@ -26,6 +26,7 @@ def _hf_from(path):
         path, dtype=torch.float32, attn_implementation="eager",
         quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
 
+
 PROMPT_LENS = (301, 417)
 
 

@@ -1149,33 +1149,23 @@ def test_one_token_moe_block_with_fp16_pairs_gives_the_same_bits(monkeypatch):
     x, residual = (torch.randn(1, hidden, device="cuda").to(torch.bfloat16) for _ in range(2))
     ws = MoeWorkspace.allocate(1, w, top_k, torch.bfloat16, "cuda")
 
-    def block():
+    assert pick_config(1, experts, top_k).gemv_pairs  # the default at one token; compared here against off
+    default = moe_module.pick_config
+
+    def block(pairs: bool):
+        monkeypatch.setattr(moe_module, "pick_config",
+                            lambda *args, **kwargs: dataclasses.replace(default(*args, **kwargs), gemv_pairs=pairs))
         return moe_block(x, residual, norm_w, next_w, 1e-5, rw, rb, w, top_k, workspace=ws)
 
-    assert pick_config(1, experts, top_k).gemv_pairs  # the default at one token; compared here against off
-    plain_default = moe_module.pick_config
-
-    def plain(*args, **kwargs):
-        return dataclasses.replace(plain_default(*args, **kwargs), gemv_pairs=False)
-
-    monkeypatch.setattr(moe_module, "pick_config", plain)
-    want = [t.clone() for t in block()]
-    def with_pairs(*args, **kwargs):
-        return dataclasses.replace(plain_default(*args, **kwargs), gemv_pairs=True)
-
-    monkeypatch.setattr(moe_module, "pick_config", with_pairs)
-    got = block()
-    assert all(torch.equal(g, t) for g, t in zip(got, want))
+    want = [t.clone() for t in block(False)]
+    assert all(torch.equal(g, t) for g, t in zip(block(True), want))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = block()
+        out = block(True)
     for _ in range(5):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        monkeypatch.setattr(moe_module, "pick_config", plain)
-        ref = block()
-        monkeypatch.setattr(moe_module, "pick_config", with_pairs)
-        assert all(torch.equal(g, t) for g, t in zip(out, ref))
+        assert all(torch.equal(g, t) for g, t in zip(out, block(False)))
 
 
 def test_mma_plan_runs_one_step_ahead_where_k_is_one_step():

@@ -295,9 +295,8 @@ def _expert_outputs(x, router_weight, router_bias, w: MoeWeights, top_k: int, li
     gemm1 = moe_group_gemm1_swiglu if group else moe_gemm1_swiglu
     gemm2 = moe_gemv2 if cfg.gemv else moe_group_gemm2 if group else moe_gemm2
     with record_function("moe.w1+swiglu"):
-        act_pairs = None
-        if cfg.gemv and x_pairs is not None:
-            act_pairs = torch.empty((num_tokens * top_k, w.intermediate), dtype=torch.float16, device=x.device)
+        act_pairs = None if x_pairs is None else \
+            torch.empty((num_tokens * top_k, w.intermediate), dtype=torch.float16, device=x.device)
         if cfg.gemv:
             act = moe_gemv1_swiglu(x, routing, w, limit, alpha, cfg, out=bufs[1], logits=late_logits, x_pairs=x_pairs,
                                    act_pairs=act_pairs)

@@ -223,12 +223,10 @@ def _row_dots(
     loads before it). xp_row (mma form): the same row in fp16_pairs form, which the tensor-core
     steps then read instead of converting x_row (the fp32 redo still reads x_row)."""
     if MMA:
-        if xp_row is not None:
-            acc = _mma_rows(xp_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
-                            stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT, True)
-        else:
-            acc = _mma_rows(x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16, K, stride_wn,
-                            stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD, WAIT)
+        pairs: tl.constexpr = xp_row is not None
+        acc = _mma_rows(xp_row if pairs else x_row, w_base, s_base, tl.program_id(1) * (BLOCK_R // 16), n_rows // 16,
+                        K, stride_wn, stride_sg, BLOCK_R // 16, BLOCK_K // 32 // MMA_SPLITS, MMA_SPLITS, MMA_AHEAD,
+                        WAIT, pairs)
     elif F16:
         wait_for_previous(WAIT)
         acc = _mx_gemv_f16(x_row, w_base, s_base, wrows, wrow_ok, K, stride_wn, stride_sg, BLOCK_R, BLOCK_K,
@@ -317,10 +315,10 @@ def _gemv1_swiglu_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = _swiglu(gate, up, limit, alpha)
     row = tl.program_id(0).to(tl.int64)
-    tl.store(act_ptr + row * stride_at + cols, out.to(act_ptr.dtype.element_ty), mask=cols < inter)
+    act = out.to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + row * stride_at + cols, act, mask=cols < inter)
     if ap_out_ptr is not None:  # act in fp16_pairs form for gemv2, each column to its place there
-        rounded = out.to(act_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(ap_out_ptr + row * inter + pairs_index(cols), rounded.to(tl.float16), mask=cols < inter)
+        tl.store(ap_out_ptr + row * inter + pairs_index(cols), act.to(tl.float32).to(tl.float16), mask=cols < inter)
 
 
 @triton.jit
