@@ -411,7 +411,11 @@ def _router_topk(tokens: int, experts: int, norm: bool = False, topk: bool = Tru
                   "BLOCK_TA": block_ta}
     if tokens == 1:
         constexprs["num_tokens"] = 1  # the launcher specialises an int argument equal to 1
-    compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
+    kernel = compile_sm90(mr._router_split_kernel, pointers, constexprs, num_warps=8)
+    if norm and "STG.E.U16" in sass(kernel):
+        # Each program's slice is whole groups of 8 columns: its stores are 16-byte vectors (2-byte
+        # scatters, with a division per column for the ownership test, made the kernel twice as long).
+        raise RuntimeError("router norm: the slice stores are 2-byte scatters, not 16-byte vectors")
 
 
 def _router_tiles(tokens: int, experts: int):

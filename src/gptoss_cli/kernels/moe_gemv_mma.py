@@ -52,8 +52,8 @@ path's fp16 block sums. The x loads are in a non-pure asm so that they stay afte
 B pairs (MoeConfig.gemv_pairs): the B registers depend only on the token's row, yet every warp of
 every program rebuilds them in every K step (_x_pairs, ~20 % of gemv1's K loop). fp16_pairs is
 that form of a whole row (the same cvt.rn values), written once by the row's producer (the
-router's norm for gemv1, gemv1's epilogue for gemv2's act) through pairs_index; "math-pairs"
-then loads the four B words directly (offline sm_90: gemv1's loop 181 -> 157 SASS instructions,
+router's norm for gemv1, in pairs_order; gemv1's epilogue for gemv2's act, through pairs_index);
+"math-pairs" then loads the four B words directly (offline sm_90: gemv1's loop 181 -> 157 SASS instructions,
 gemv2's 350 -> 306).
 """
 
@@ -457,9 +457,19 @@ def _load_at(GB: tl.constexpr, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, l
 @triton.jit
 def pairs_index(cols):
     """Where fp16_pairs puts activation column `cols`: value i of each 8 at 2 i, value i + 4 at
-    2 i + 1 (i < 4). Producers store their rows through it (scattered within 16 bytes)."""
+    2 i + 1 (i < 4). For producers whose threads hold single values (gemv1's act: one value per
+    thread, nothing to vectorise); pairs_order for those that hold whole groups."""
     j = cols % 8
     return cols - j + (j % 4) * 2 + j // 4
+
+
+@triton.jit
+def pairs_order(v, N: tl.constexpr):
+    """v [N] (N a multiple of 8, the first value at a multiple of 8 of its row) in fp16_pairs' order:
+    stored at contiguous columns, each value lands where fp16_pairs puts it, so a producer writes
+    whole 16-byte groups (one vector store each) instead of scattering 2-byte values."""
+    tl.static_assert(N % 8 == 0, "fp16_pairs groups values by 8")
+    return tl.reshape(tl.permute(tl.reshape(v, [N // 8, 2, 4]), (0, 2, 1)), [N])
 
 
 def fp16_pairs(x: torch.Tensor) -> torch.Tensor:

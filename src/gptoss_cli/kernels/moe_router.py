@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import is_interpreted
-from .moe_gemv_mma import pairs_index
+from .moe_gemv_mma import pairs_order
 from .moe_routing import (
     MoeRouting,
     _topk_softmax_store,
@@ -92,15 +92,24 @@ def _normed_slice(h, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidde
     """y = h * rstd * nw rounded to the activation dtype (rms_norm's output) for columns c0 + cs;
     stores this program's slice of y and of h (the rows' residual stream) and returns y in fp32.
     Mirrors rmsnorm.normalize_rows, whose arithmetic it must repeat. yp_ptr: y in fp16_pairs form
-    too (RouterNorm.pairs): each column of the slice to its place there."""
+    too (RouterNorm.pairs). A program's slice is whole groups of 8 columns: with the slice's first
+    column a known multiple of 8 the masks are constant over 8 columns, so all three stores are
+    16-byte vectors (the pairs in pairs_order)."""
     nw = tl.load(nw_ptr + c0 + cs, mask=c_ok, other=0.0).to(tl.float32)
     y = (h * rstd[:, None] * nw[None, :]).to(out_dtype)
-    mine = mask & ((c0 + cs) // tl.cdiv(hidden, tl.num_programs(0)) == pid)[None, :]
-    dst = rows[:, None] * hidden + c0 + cs[None, :]
+    per = tl.cdiv(tl.cdiv(hidden, 8), tl.num_programs(0)) * 8
+    lo = pid * per
+    cols = c0 + cs
+    mine = mask & ((cols >= lo) & (cols < lo + per))[None, :]
+    dst = rows[:, None] * hidden + cols[None, :]
     tl.store(h_ptr + dst, h.to(out_dtype), mask=mine)
     tl.store(y_ptr + dst, y, mask=mine)
     if yp_ptr is not None:
-        tl.store(yp_ptr + rows[:, None] * hidden + pairs_index(c0 + cs)[None, :], y.to(tl.float16), mask=mine)
+        BLOCK_T: tl.constexpr = h.shape[0]
+        BLOCK_C: tl.constexpr = h.shape[1]
+        yp = tl.reshape(pairs_order(tl.reshape(y.to(tl.float16), [BLOCK_T * BLOCK_C]), BLOCK_T * BLOCK_C),
+                        [BLOCK_T, BLOCK_C])
+        tl.store(yp_ptr + dst, yp, mask=mine)
     return y.to(tl.float32)
 
 
