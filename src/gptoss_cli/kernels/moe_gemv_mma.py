@@ -53,8 +53,8 @@ B pairs (MoeConfig.gemv_pairs): the B registers depend only on the token's row, 
 every program rebuilds them in every K step (_x_pairs, ~20 % of gemv1's K loop). fp16_pairs is
 that form of a whole row (the same cvt.rn values), written once by the row's producer (the
 router's norm for gemv1, in pairs_order; gemv1's epilogue for gemv2's act, through pairs_index);
-"math-pairs" then loads the four B words directly (offline sm_90: gemv1's loop 181 -> 157 SASS instructions,
-gemv2's 350 -> 306).
+"math-pairs" then loads the four B words directly (offline sm_90: gemv1's loop 181 -> 157 SASS
+instructions, gemv2's 350 -> 306).
 """
 
 from __future__ import annotations
