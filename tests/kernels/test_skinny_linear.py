@@ -116,14 +116,12 @@ def _unfused(x, w, b, pos, cos, sin, heads, kv_heads, d, caches, slots, tiles=No
 
 
 def _assert_as_unfused(got, caches, want, want_k, want_v):
-    """Bit for bit under the interpreter (the same dot, the same roundings). On a GPU the two launches'
-    tiles hold other rows, and the compiler may contract the rotation into FMAs differently: at most
-    an ulp of the output dtype."""
+    """Within an ulp of the output dtype: the two launches' tiles hold other rows, so their dots are
+    products of other shapes (on a GPU other MMA tilings, under the interpreter numpy matmuls whose
+    blocking follows the shape and the CPU: bit for bit on some CPUs, an ulp apart on an AMD EPYC),
+    and a GPU compiler may contract the rotation into FMAs differently."""
     for what, g, ref in (("qkv", got, want), ("k cache", caches[0], want_k), ("v cache", caches[1], want_v)):
-        if not g.is_cuda:
-            assert torch.equal(g, ref), what
-        else:
-            assert_close(g.float(), ref.float(), 2e-6 if ref.dtype == torch.float32 else 8e-3, what)
+        assert_close(g.float(), ref.float(), 2e-6 if ref.dtype == torch.float32 else 8e-3, what)
 
 
 def _positions(device, t, table):
