@@ -464,12 +464,14 @@ def pairs_index(cols):
 
 
 @triton.jit
-def pairs_order(v, N: tl.constexpr):
-    """v [N] (N a multiple of 8, the first value at a multiple of 8 of its row) in fp16_pairs' order:
-    stored at contiguous columns, each value lands where fp16_pairs puts it, so a producer writes
-    whole 16-byte groups (one vector store each) instead of scattering 2-byte values."""
-    tl.static_assert(N % 8 == 0, "fp16_pairs groups values by 8")
-    return tl.reshape(tl.permute(tl.reshape(v, [N // 8, 2, 4]), (0, 2, 1)), [N])
+def pairs_order(v):
+    """Rows v [R, C] (C a multiple of 8, each row's first column at a multiple of 8) in fp16_pairs'
+    order: stored at contiguous columns, each value lands where fp16_pairs puts it, so a producer
+    writes whole 16-byte groups (one vector store each) instead of scattering 2-byte values."""
+    R: tl.constexpr = v.shape[0]
+    C: tl.constexpr = v.shape[1]
+    tl.static_assert(C % 8 == 0, "fp16_pairs groups values by 8")
+    return tl.reshape(tl.permute(tl.reshape(v, [R, C // 8, 2, 4]), (0, 1, 3, 2)), [R, C])
 
 
 def fp16_pairs(x: torch.Tensor) -> torch.Tensor:

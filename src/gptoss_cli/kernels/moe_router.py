@@ -105,11 +105,7 @@ def _normed_slice(h, rstd, nw_ptr, y_ptr, h_ptr, rows, c0, cs, c_ok, mask, hidde
     tl.store(h_ptr + dst, h.to(out_dtype), mask=mine)
     tl.store(y_ptr + dst, y, mask=mine)
     if yp_ptr is not None:
-        BLOCK_T: tl.constexpr = h.shape[0]
-        BLOCK_C: tl.constexpr = h.shape[1]
-        yp = tl.reshape(pairs_order(tl.reshape(y.to(tl.float16), [BLOCK_T * BLOCK_C]), BLOCK_T * BLOCK_C),
-                        [BLOCK_T, BLOCK_C])
-        tl.store(yp_ptr + dst, yp, mask=mine)
+        tl.store(yp_ptr + dst, pairs_order(y.to(tl.float16)), mask=mine)
     return y.to(tl.float32)
 
 
