@@ -230,11 +230,11 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         pointers |= {"xp_ptr": "*fp16", "ap_out_ptr": "*fp16"} if which == "gemv1" else {"ap_ptr": "*fp16"}
     if which == "gemv1":
         pointers |= {"x_ptr": "*bf16", "act_ptr": "*bf16", "logits_ptr": "*fp32", "topk_weights_ptr": "*fp32"}
-        logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1}
+        logits = {"LOGITS": experts > 0, "BLOCK_TK": 4 if experts else 1, "BLOCK_E": experts or 1, "KEYS": experts > 0}
         kernel = compile_sm90(mg._gemv1_swiglu_kernel, pointers, {"TOP_K": 4, **common, **logits}, num_warps)
     else:
         pointers |= {"act_ptr": "*bf16", "y_ptr": "*fp32", "gamma_ptr": "*fp32", "logits_ptr": "*fp32"}
-        logits = {"LOGITS": True, "TOP_K": 4, "BLOCK_TK": 4, "BLOCK_E": experts} if experts else {}
+        logits = {"LOGITS": True, "TOP_K": 4, "BLOCK_TK": 4, "BLOCK_E": experts, "KEYS": True} if experts else {}
         kernel = compile_sm90(mg._gemv2_kernel, pointers, common | logits, num_warps)
         if experts and mma:
             _loads_before_wait(kernel)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import assert_close, rel_err
 
 from gptoss_cli.kernels import moe_matmul, moe_router, moe_routing
@@ -39,7 +41,7 @@ from gptoss_cli.kernels.moe_matmul import (
     moe_gemm2,
     moe_gemm2_ref,
 )
-from gptoss_cli.kernels.moe_routing import route, route_metadata_ref
+from gptoss_cli.kernels.moe_routing import route, route_metadata_ref, topk_row_bf16
 from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 
@@ -539,16 +541,52 @@ def test_gemv_forward_skips_the_sort(device):
     assert_close(got, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "gemv forward vs moe_ref")
 
 
+@triton.jit
+def _topk_bf16_probe(logits_ptr, num_experts, values_ptr, ids_ptr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_E: tl.constexpr):
+    """Row program_id(0), choice program_id(1): topk_row_bf16's values and the id of that choice."""
+    row, rank = tl.program_id(0), tl.program_id(1)
+    values, chosen = topk_row_bf16(logits_ptr + row * num_experts, num_experts, rank, TOP_K, BLOCK_K, BLOCK_E)
+    tl.store(ids_ptr + row * TOP_K + rank, chosen)
+    ks = tl.arange(0, BLOCK_K)
+    tl.store(values_ptr + (row * TOP_K + rank) * TOP_K + ks, values, mask=ks < TOP_K)
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 4), (5, 2), (32, 4), (64, 4), (128, 4), (200, 4)])
+def test_topk_keys_match_torch_topk_on_bf16_logits(device, experts, top_k):
+    # The gemvs' top-k on bf16-valued logits (one integer key per logit and column): torch.topk's
+    # values, and its ties (many here: small integers, -0 beside +0, -inf) to the lowest column; a row
+    # of negative values only.
+    # 200 experts read 4 chunks of 64 columns; 5 a single chunk with padding.
+    gen = torch.Generator().manual_seed(experts)
+    rows = [torch.randint(-3, 3, (experts,), generator=gen).float(), torch.randn(experts, generator=gen) * 8,
+            torch.full((experts,), -0.0), torch.randn(experts, generator=gen) * 1e30,
+            -1 - torch.randn(experts, generator=gen).abs()]
+    rows[0][::3] = -0.0
+    rows[2][1::2] = 0.0
+    rows[3][:2] = float("-inf")
+    logits = torch.stack(rows).bfloat16().float().to(device)
+    values = torch.empty(len(rows), top_k, top_k, device=device)
+    ids = torch.empty(len(rows), top_k, dtype=torch.int32, device=device)
+    _topk_bf16_probe[(len(rows), top_k)](logits, experts, values, ids, TOP_K=top_k,
+                                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts))
+    order = torch.sort(-logits.cpu(), dim=1, stable=True).indices[:, :top_k]  # -0 == +0: the lower column first
+    assert torch.equal(ids.cpu().long(), order), (ids.cpu(), order)
+    want = logits.cpu().gather(1, order)
+    assert (values.cpu() == want[:, None, :]).all()  # every program holds all top-k values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 32, 4), (3, 5, 2), (4, 128, 4)])
-def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
+def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k, dtype):
     # MoeConfig.gemv_topk: the router launch stops at the logits and gemv1 takes the top-k. The
     # experts must be the router's own; the weights bit for bit under the interpreter, and on a GPU
-    # within the last bit (the two kernels may sum the 4 exponentials in another order).
+    # within the last bit (the two kernels may sum the 4 exponentials in another order). bf16: the
+    # router rounds its logits to bf16, and the gemvs take the integer-key rounds (topk_row_bf16).
     hidden, inter = 64, 96
     raw = _raw_weights(experts, hidden, inter, device)
     w = prepare_moe_weights(*raw)
-    x = torch.randn(tokens, hidden, device=device)
-    rw, rb = torch.randn(experts, hidden, device=device), torch.randn(experts, device=device)
+    x, rw, rb = _inputs(tokens, experts, hidden, top_k, dtype, device)
     config = dataclasses.replace(GEMV, fused_router=True)
     want_r = moe_router.route_tokens(x, rw, rb, top_k, config.block_m, sort=False)
     scratch = moe_router.RouterScratch.allocate(experts, device)
@@ -565,7 +603,7 @@ def test_gemv_topk_in_gemv1_equals_the_routers(device, tokens, experts, top_k):
     else:
         assert_close(got_r.topk_weights, want_r.topk_weights, 1e-6, "routing weights")
         assert_close(late, early, 1e-6, "late vs early top-k")
-    assert_close(late, moe_ref(x, rw, rb, *raw, top_k), _tol(torch.float32, device), "late top-k vs moe_ref")
+    assert_close(late, moe_ref(x, rw, rb, *raw, top_k), _tol(dtype, device), "late top-k vs moe_ref")
     # MoeConfig.gemv2_topk: gemv2 takes the same top-k from the logits (before its PDL wait on a GPU).
     want_y = moe_gemv2(act, want_r, w, config)
     got_r.topk_ids.fill_(-1)

@@ -55,7 +55,7 @@ from .moe_matmul import (
     _row_offsets,
     _swiglu,
 )
-from .moe_routing import MoeRouting, topk_softmax_row
+from .moe_routing import MoeRouting, softmax_k, topk_row, topk_row_bf16
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 
 
@@ -260,30 +260,30 @@ def _slot_expert(topk_ids_ptr):
 
 @triton.jit
 def _slot_route(logits_ptr, stride_lt, num_experts, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr,
-                BLOCK_E: tl.constexpr):
-    """(slot, expert, routing weight) of this program's row from its token's router logits
-    (moe_routing.topk_softmax_row; grid axis 0 = slot)."""
+                BLOCK_E: tl.constexpr, KEYS: tl.constexpr):
+    """(slot, expert, the token's top-k logits) of this program's row from its token's router
+    logits (grid axis 0 = slot); KEYS: the logits are bf16 values (moe_routing.topk_row_bf16).
+    _slot_weight turns the logits into the slot's routing weight, after the K loop: nothing before
+    the first weight load waits for the softmax."""
     slot = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < num_experts
-    # .cg: the same scratch held the previous layer's logits; this SM's L1 may still have them.
-    row = tl.load(logits_ptr + (slot // TOP_K) * stride_lt + cols, mask=col_ok, other=float("-inf"),
-                  cache_modifier=".cg")
-    probs, ids = topk_softmax_row(row, cols, col_ok, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
-    mine = tl.arange(0, BLOCK_TK) == slot % TOP_K
-    return slot, tl.sum(tl.where(mine, ids, 0)).to(tl.int64), tl.sum(tl.where(mine, probs, 0.0))
+    row_ptr = logits_ptr + (slot // TOP_K) * stride_lt
+    if KEYS:
+        values, expert = topk_row_bf16(row_ptr, num_experts, slot % TOP_K, TOP_K, BLOCK_TK, BLOCK_E)
+    else:
+        cols = tl.arange(0, BLOCK_E)
+        col_ok = cols < num_experts
+        # .cg: the same scratch held the previous layer's logits; this SM's L1 may still have them.
+        row = tl.load(row_ptr + cols, mask=col_ok, other=float("-inf"), cache_modifier=".cg")
+        values, ids = topk_row(row, cols, col_ok, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
+        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TK) == slot % TOP_K, ids, 0))
+    return slot, expert.to(tl.int64), values
 
 
 @triton.jit
-def _slot_expert_from_logits(logits_ptr, stride_lt, ids_ptr, weights_ptr, num_experts, TOP_K: tl.constexpr,
-                             BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """_slot_expert with the routing done here (_slot_route); the slot's first column-block program
-    stores it as the routing's top-k tensors for the launches after."""
-    slot, expert, weight = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
-    if tl.program_id(1) == 0:
-        tl.store(ids_ptr + slot, expert.to(ids_ptr.dtype.element_ty))
-        tl.store(weights_ptr + slot, weight)
-    return slot, expert
+def _slot_weight(values, slot, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr):
+    """The slot's routing weight: its share of the softmax over its token's top-k logits."""
+    mine = tl.arange(0, BLOCK_TK) == slot % TOP_K
+    return tl.sum(tl.where(mine, softmax_k(values, TOP_K, BLOCK_TK), 0.0))
 
 
 @triton.jit
@@ -294,12 +294,12 @@ def _gemv1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
     PDL: tl.constexpr, ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1,
     MMA_AHEAD: tl.constexpr = 1, LOGITS: tl.constexpr = False,
-    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, xp_ptr=None, ap_out_ptr=None,
+    BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, KEYS: tl.constexpr = False, xp_ptr=None,
+    ap_out_ptr=None,
 ):  # fmt: skip
     wait_for_previous(PDL)  # the routing (or with LOGITS its logits) comes from the launch just before
     if LOGITS:
-        slot, expert = _slot_expert_from_logits(logits_ptr, stride_lt, topk_ids_ptr, topk_weights_ptr, num_experts,
-                                                TOP_K, BLOCK_TK, BLOCK_E)
+        slot, expert, logits = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E, KEYS)
     else:
         slot, expert = _slot_expert(topk_ids_ptr)
     token = slot // TOP_K
@@ -319,6 +319,10 @@ def _gemv1_swiglu_kernel(
     tl.store(act_ptr + row * stride_at + cols, act, mask=cols < inter)
     if ap_out_ptr is not None:  # act in fp16_pairs form for gemv2, each column to its place there
         tl.store(ap_out_ptr + row * inter + pairs_index(cols), act.to(tl.float32).to(tl.float16), mask=cols < inter)
+    if LOGITS:  # a compile-time branch around the run-time one
+        if tl.program_id(1) == 0:  # the slot's first column block stores its routing for the launches after
+            tl.store(topk_ids_ptr + slot, expert.to(topk_ids_ptr.dtype.element_ty))
+            tl.store(topk_weights_ptr + slot, _slot_weight(logits, slot, TOP_K, BLOCK_TK))
 
 
 @triton.jit
@@ -328,13 +332,14 @@ def _gemv2_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
     ROW_GROUP: tl.constexpr, MMA: tl.constexpr = False, MMA_SPLITS: tl.constexpr = 1, MMA_AHEAD: tl.constexpr = 1,
     LOGITS: tl.constexpr = False, TOP_K: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
-    ap_ptr=None,
+    KEYS: tl.constexpr = False, ap_ptr=None,
 ):  # fmt: skip
     # LOGITS: the router's logits come from two launches back (gemv1 runs between), which have
     # finished by the time this launch starts (pdl.py): the routing is taken from them before the
     # PDL wait, and the mma form's first weight loads go out while gemv1 still runs.
     if LOGITS:
-        slot, expert, gamma = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E)
+        slot, expert, logits = _slot_route(logits_ptr, stride_lt, num_experts, TOP_K, BLOCK_TK, BLOCK_E, KEYS)
+        gamma = _slot_weight(logits, slot, TOP_K, BLOCK_TK)
         late_wait: tl.constexpr = PDL
     else:
         wait_for_previous(PDL)
@@ -418,15 +423,17 @@ def _pairs_option(pairs: torch.Tensor | None, options: dict, a: torch.Tensor, na
     return {name: _checked_pairs(pairs, a)} if options["MMA"] else {}
 
 
-def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights) -> dict:
-    """The launch options of a gemv that takes its routing from router logits (None: from routing)."""
+def _logits_options(logits: torch.Tensor | None, routing: MoeRouting, w: MoeWeights, a: torch.Tensor) -> dict:
+    """The launch options of a gemv that takes its routing from router logits (None: from routing).
+    The router rounds its logits to the activations' dtype, so with bf16 activations `a` they are
+    bf16 values and the top-k takes the one-key rounds (KEYS)."""
     if logits is None:
         return {}
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] < routing.num_tokens \
             or logits.shape[1] != w.num_experts or logits.stride(1) != 1:
         raise ValueError(f"logits must be fp32 [>= {routing.num_tokens}, {w.num_experts}], contiguous rows")
     return {"LOGITS": True, "BLOCK_TK": triton.next_power_of_2(routing.top_k),
-            "BLOCK_E": triton.next_power_of_2(w.num_experts)}
+            "BLOCK_E": triton.next_power_of_2(w.num_experts), "KEYS": a.dtype == torch.bfloat16}
 
 
 def moe_gemv1_swiglu(
@@ -435,16 +442,17 @@ def moe_gemv1_swiglu(
     act_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, C] -> act [S, I] in x.dtype, row s for slot s (moe_gemm1_swiglu: sorted rows).
-    logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them): the top-k and
-    softmax are taken here and stored in routing.topk_ids / topk_weights, saving the router
-    launch its arrival counter and serial top-k tail. x_pairs: fp16_pairs(x), which the
+    logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them: rounded to x's
+    dtype, which with bf16 x the top-k relies on): the top-k and softmax are taken here and stored
+    in routing.topk_ids / topk_weights, saving the router launch its arrival counter and serial
+    top-k tail. x_pairs: fp16_pairs(x), which the
     tensor-core form then reads instead of converting x in every K step of every program;
     act_pairs: a contiguous fp16 [S, I] buffer that receives fp16_pairs(act) for moe_gemv2."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
     options = _launch_options(config, x, w, 2 * config.block_n1, 2 * w.intermediate, config.block_k)
-    extra = _logits_options(logits, routing, w) | _pairs_option(x_pairs, options, x, "xp_ptr")
+    extra = _logits_options(logits, routing, w, x) | _pairs_option(x_pairs, options, x, "xp_ptr")
     if act_pairs is not None:
         extra["ap_out_ptr"] = _checked_pairs(act_pairs, act)
     lg = logits if logits is not None else x  # placeholder: not read without LOGITS
@@ -477,7 +485,7 @@ def moe_gemv2(
     chunk = k_chunk(w.intermediate, splits)
     shortest = w.intermediate - (splits - 1) * chunk
     options = _launch_options(config, act, w, config.block_n2, w.hidden, config.gemm2_block_k, shortest)
-    extra = _logits_options(logits, routing, w) | _pairs_option(act_pairs, options, act, "ap_ptr")
+    extra = _logits_options(logits, routing, w, act) | _pairs_option(act_pairs, options, act, "ap_ptr")
     lg = logits if logits is not None else act  # placeholder: not read without LOGITS
     _gemv2_kernel[(slots, triton.cdiv(w.hidden, config.block_n2), splits)](
         act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),

@@ -149,11 +149,12 @@ def _topk_softmax_kernel(
 
 
 @triton.jit
-def topk_softmax_row(logits, cols, col_ok, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_E: tl.constexpr):
-    """_topk_softmax_store's choice for one token's fp32 logits [BLOCK_E], in registers: (probs,
-    ids) [BLOCK_K], entries >= TOP_K zero. The same steps on 1-D tensors: the [1, E] form of the
-    2-D code took moe_gemv's gemv1 from 66 to 168 registers at 128 experts (offline sm_90)."""
+def topk_row(logits, cols, col_ok, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_E: tl.constexpr):
+    """_topk_softmax_store's choice for one token's fp32 logits [BLOCK_E], in registers: (values,
+    ids) [BLOCK_K], largest first, entries >= TOP_K zero. The same steps on 1-D tensors: the [1, E]
+    form of the 2-D code took moe_gemv's gemv1 from 66 to 168 registers at 128 experts (offline
+    sm_90)."""
     ks = tl.arange(0, BLOCK_K)
     taken = cols < 0
     values = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -165,9 +166,68 @@ def topk_softmax_row(logits, cols, col_ok, num_experts, TOP_K: tl.constexpr, BLO
         taken = taken | (cols == idx)
         values = tl.where(ks == k, best, values)
         ids = tl.where(ks == k, idx, ids)
-    k_ok = ks < TOP_K
+    return values, ids
+
+
+@triton.jit
+def _logit_keys(row_ptr, c0, num_experts, WIDTH: tl.constexpr):
+    """topk_row_bf16's keys of columns c0 .. c0 + WIDTH - 1 of a row of bf16-valued fp32 logits
+    (INT32_MIN past num_experts). A logit and its column share one int32 key ordered by value, then
+    by the lower column (ties as torch.topk on CUDA); -0 counts as +0, as == does."""
+    cols = c0 + tl.arange(0, WIDTH)
+    ok = cols < num_experts
+    # .cg: the same scratch held the previous layer's logits; this SM's L1 may still have them.
+    bits = tl.load(row_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    # Negative floats order backwards as integers: flipping their magnitude bits makes the signed
+    # integer order the float order. bf16 values leave the low 16 bits free for the column.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) & -65536
+    return tl.where(ok, key | (65535 - cols), -2147483648)
+
+
+@triton.jit
+def topk_row_bf16(row_ptr, num_experts, rank, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """topk_row's values and the id of choice `rank` (a scalar) for a row of logits that are bf16
+    values in fp32 (the low 16 bits zero: the router rounds them to bf16 activations' dtype), read
+    from row_ptr. Each of the K rounds is one integer max over _logit_keys (REDUX.MAX within a warp)
+    instead of a float max and then an index min, two chains of five shuffles each. The row is
+    read in chunks of 32 columns, up to 4 of them, each of which every warp holds whole, so that
+    at 128 experts the rounds stay within a warp too (one [128] tensor spans the 4 warps, and
+    each round then passes through shared memory and barriers)."""
+    WIDTH: tl.constexpr = BLOCK_E if BLOCK_E <= 32 else max(32, BLOCK_E // 4)
+    CHUNKS: tl.constexpr = BLOCK_E // WIDTH
+    k0 = _logit_keys(row_ptr, 0, num_experts, WIDTH)
+    k1 = _logit_keys(row_ptr, WIDTH, num_experts, WIDTH) if CHUNKS > 1 else k0
+    k2 = _logit_keys(row_ptr, 2 * WIDTH, num_experts, WIDTH) if CHUNKS > 2 else k0
+    k3 = _logit_keys(row_ptr, 3 * WIDTH, num_experts, WIDTH) if CHUNKS > 2 else k0
+    ks = tl.arange(0, BLOCK_K)
+    values = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen = rank * 0
+    for k in tl.static_range(TOP_K):
+        both = tl.maximum(k0, k1) if CHUNKS > 1 else k0
+        if CHUNKS > 2:
+            both = tl.maximum(both, tl.maximum(k2, k3))
+        best = tl.max(both, axis=0)
+        # Keys are distinct: exactly the best one leaves the race.
+        k0 = tl.where(k0 == best, -2147483648, k0)
+        if CHUNKS > 1:
+            k1 = tl.where(k1 == best, -2147483648, k1)
+        if CHUNKS > 2:
+            k2 = tl.where(k2 == best, -2147483648, k2)
+            k3 = tl.where(k3 == best, -2147483648, k3)
+        top = best & -65536
+        value = tl.where(top < 0, (top ^ 0x7FFFFFFF) & -65536, top).to(tl.float32, bitcast=True)
+        values = tl.where(ks == k, value, values)
+        chosen = tl.where(rank == k, tl.minimum(65535 - (best & 65535), num_experts - 1), chosen)
+    return values, chosen
+
+
+@triton.jit
+def softmax_k(values, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Softmax over the first TOP_K of topk_row's values (the rest 0)."""
+    k_ok = tl.arange(0, BLOCK_K) < TOP_K
     e = tl.where(k_ok, tl.exp(values - tl.max(tl.where(k_ok, values, float("-inf")), axis=0)), 0.0)
-    return e / tl.sum(e, axis=0), ids
+    return e / tl.sum(e, axis=0)
 
 
 @triton.jit
