@@ -445,9 +445,9 @@ def moe_gemv1_swiglu(
     logits [>= T, E] fp32 (router logits as route_tokens(topk=False) leaves them: rounded to x's
     dtype, which with bf16 x the top-k relies on): the top-k and softmax are taken here and stored
     in routing.topk_ids / topk_weights, saving the router launch its arrival counter and serial
-    top-k tail. x_pairs: fp16_pairs(x), which the
-    tensor-core form then reads instead of converting x in every K step of every program;
-    act_pairs: a contiguous fp16 [S, I] buffer that receives fp16_pairs(act) for moe_gemv2."""
+    top-k tail. x_pairs: fp16_pairs(x), which the tensor-core form then reads instead of
+    converting x in every K step of every program; act_pairs: a contiguous fp16 [S, I] buffer
+    that receives fp16_pairs(act) for moe_gemv2."""
     act = _checked_output(config, routing, x, "x", (routing.num_tokens, w.hidden), w.intermediate, x.dtype, out)
     if act.shape[0] == 0:
         return act
