@@ -245,9 +245,19 @@ def _gemv(which: str, block_n: int = 16, block_k: int = 256, f16: bool = False, 
         _lanes_last(kernel, which)
         if pairs == ("F2FP" in _loop_body(sass(kernel))):
             raise RuntimeError(f"{which}: the K loop {'converts' if pairs else 'does not convert'} the activations")
+        _x_loaded_ahead(_loop_body(sass(kernel)), which)
     elif "LDG.E.128" not in sass(kernel):
         raise RuntimeError(f"{which}: the weights are not loaded in 16-byte vectors")
     return kernel
+
+
+def _x_loaded_ahead(body: str, which: str) -> None:
+    """The tensor-core K loop's activation loads (128-bit) are for the next step: the loop's first mma
+    comes before them, so each step's B registers arrived during the step before (moe_gemv_mma._k_loop;
+    read at the top of the step that uses them, they held up its first mma)."""
+    first_mma, first_x = body.find("HMMA"), body.find("LDG.E.128")
+    if first_x < 0 or first_mma > first_x:
+        raise RuntimeError(f"{which}: the K loop loads its activations before its first mma, for its own step")
 
 
 def _loads_before_wait(kernel) -> None:

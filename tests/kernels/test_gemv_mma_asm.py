@@ -1,4 +1,4 @@
-"""The inline PTX of the tensor-core gemv step (moe_gemv_mma._load_asm, then _math_asm), run on the
+"""The inline PTX of the tensor-core gemv step (moe_gemv_mma._load_asm and _x_load_asm, then _math_asm), run on the
 CPU by ptx_warp's emulator of one warp: 32 lanes in lockstep, including the warp-collective
 mma.sync m16n8k16.
 
@@ -6,8 +6,8 @@ CI has no GPU, and the step's correctness rests on things a GPU run only shows a
 which lane loads which word, scale byte and activations, how the nibbles become fp16 pairs, and
 how those registers line up with the mma's A/B/C/D fragments (PTX ISA layout, emulated here from
 the ISA's description, not from the asm). The tests lay out two 16-row tiles of packed weights,
-their scales and a bf16 activation vector as moe_gemv_mma's docstring says, run the load asm, hand
-its registers to the math asm as _mma_rows does (`(acc,) + loaded + (x, skip, t)`), and compare the load registers
+their scales and a bf16 activation vector as moe_gemv_mma's docstring says, run the load asms, hand
+their registers to the math asm as _k_loop does (`(acc,) + loaded + xs + (t,)`), and compare the load registers
 with the layout and each lane's accumulated row with a float64 reference; the emulator checks
 operand widths against the constraint strings of asm_step.
 """
@@ -52,20 +52,23 @@ def _expected(lay: dict, skip: int) -> tuple[np.ndarray, np.ndarray]:
     return (scale * prod.sum(-1)).sum(-1), (scale * np.abs(prod).sum(-1)).sum(-1)
 
 
-def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None):
-    """One K step on the emulator: the load asm's outputs, then the math asm's outputs when fed
-    acc_in (one float32 per lane), those registers, x[8t]'s address, `skip` and t as _mma_rows
-    does. The texts default to asm_step's (a test may pass altered ones)."""
+def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None, x_asm=None):
+    """One K step on the emulator: the load asm's outputs, the x load asm's (x[8t]'s address and
+    `skip`), then the math asm's outputs when fed acc_in (one float32 per lane), those registers and
+    t as _k_loop does. The texts default to asm_step's (a test may pass altered ones)."""
     load_text, load_cons, load_types = asm_step("load", gb)
+    x_text, x_cons, x_types = asm_step("x", gb)
     math_text, math_cons, _ = asm_step("math", gb)
     n_out = LOADED * gb
     assert len(load_types) == n_out == load_cons.count("=r"), "load results and constraints disagree"
+    assert len(x_types) == 4 * gb == x_cons.count("=r"), "x load results and constraints disagree"
     loaded = run(load_asm or load_text, lay["mem"], bind(load_cons, load_operands(lay, n_out)))
     t = np.arange(LANES) % 4
     x_addr = lay["x0"] + 16 * t  # x[8t]: every lane reads the token, so every B column holds it
-    # _math_step's operands are `(acc,) + loaded + (x address, skip, t)`: $1, then the load's $0.. in order
+    xs = run(x_asm or x_text, lay["mem"], bind(x_cons, {4 * gb: x_addr, 4 * gb + 1: np.int64(skip) & MASK[32]}))
+    # _math_step's operands are `(acc,) + loaded + xs + (t,)`: $1, then the loads' $0.. in order
     math_in = dict(enumerate([f32_bits(acc_in)] + [loaded[f"${i}"] for i in range(n_out)]
-                             + [x_addr, np.int64(skip) & MASK[32], t], start=1))
+                             + [xs[f"${i}"] for i in range(4 * gb)] + [t], start=1))
     out = run(math_asm or math_text, lay["mem"], bind(math_cons, math_in))
     return loaded, out
 

@@ -32,10 +32,13 @@ fp32 and accumulates it, so the 32 lanes hold the pair's 32 rows and each loads 
 pairs) and GB block columns. Its loads (_load_asm) and its mmas (_math_asm) are two pieces of asm,
 software-pipelined AHEAD (1 or 2) K steps apart through loop-carried tuples: with the loads inside
 the mmas' asm, ptxas sank each load down to its use and kept two or three in flight per warp
-(session 22). Only the weights travel through the loop-carried registers (5 per block column: 4
-words and a scale byte); the math step reads its activations itself, from L1 (session 23: the
-pipelined registers are the bytes in flight, and two steps ahead fit in 94 registers; three
-ahead, 135 registers, were slower in the engine).
+(session 22). The weights travel AHEAD steps through the loop-carried registers (5 per block
+column: 4 words and a scale byte; session 23: the pipelined registers are the bytes in flight, and
+two steps ahead fit in 94 registers; three ahead, 135 registers, were slower in the engine); the
+activation words (_x_load_asm, 4 per block column) one step: read at the top of the step that
+uses them, their L1/L2 round trip held up each step's first mma (Nsight Compute, session 36: a
+third of gemv1's stall samples on that one instruction; one step ahead, 20b batch 1 -0.7 %, 120b
+-2.5 %). The grouped kernels still read theirs inside the math step.
 
 Layout: all memory goes through the inline asm, and every tensor handed to it is
 [KS, pairs, 32] built from aranges, whose default Triton layout puts the 32 lanes on the last
@@ -102,8 +105,8 @@ def _x_pairs(words: list[str], pairs: tuple[str, str, str, str] | list[str]) -> 
 
 TILES = tl.constexpr(2)  # 16-row tiles per asm instance (one pair): they share its activation pairs
 # Registers one block column loads per lane ahead of its mmas: the words of rows r and r + 8 of
-# both tiles, and the scale byte of the row the lane accumulates. (The activations are read in the
-# math step: L1 hits, and registers held across the loop would cost bytes in flight.)
+# both tiles, and the scale byte of the row the lane accumulates. (The activations are a step of
+# their own: _x_load_asm.)
 LOADED = 2 * TILES.value + 1
 
 
@@ -129,22 +132,34 @@ def _load_asm(gb: int, nc: bool = True) -> str:
             f"\nadd.s64 w1, {w0}, {wt}; mov.b64 sp, {s0}; cvt.u64.u32 sg, {sb};\n" + "".join(out) + "\n}")
 
 
+def _x_load_asm(gb: int) -> str:
+    """The activation words of one K step's gb block columns for lane (r, t): outputs $0 ..
+    $(4 gb - 1), block column g's four words at $(4 g) (x[8t .. 8t + 7] of that block column, bf16 or
+    fp16_pairs); inputs: their address at the step's first block column (block column g: + 64 g
+    bytes), then skip: block columns g < skip read as zeros (the last step is moved back to end at
+    K, and the block columns it repeats must count as x = 0). Plain loads: x is the previous
+    launch's output, read after the PDL wait."""
+    addr, skip = f"${4 * gb}", f"${4 * gb + 1}"
+    out = []
+    for g in range(gb):
+        words = [f"${4 * g + i}" for i in range(4)]
+        out.append("\n" + "".join(f" mov.b32 {r}, 0;" for r in words)
+                   + f" setp.le.s32 p, {skip}, {g}; @p ld.global.v4.b32 {{{', '.join(words)}}}, [{addr}+{64 * g}];")
+    return "{\n.reg .pred p;" + "".join(out) + "\n}"
+
+
 def _math_asm(gb: int, pairs: bool = False) -> str:
     """The mmas of one K step (_load_asm's registers): $0 = $1 + the scaled dot products of lane
     (r, t)'s row r + 8t of the pair; block column g's loaded registers at $(2 + 5 g) on, in
-    _load_asm's order; then the address of x[8t] at the step's first block column (block column g:
-    + 64 g bytes), read for g >= the next input (zeros before: the last step is moved back to end at
-    K, and the block columns it repeats must count as x = 0), then t. Lane (r, t) holds D rows r and
-    r + 8 of both tiles' mmas (every B column is the token) and keeps the one of row r + 8t: tile
-    t // 2, row r + 8 (t % 2). `pairs`: x is already in B's form (fp16_pairs), so the four loaded
-    words are the B registers and the step converts nothing."""
+    _load_asm's order; then the step's activation words (_x_load_asm's outputs, loaded a step
+    earlier), then t. Lane (r, t) holds D rows r and r + 8 of both tiles' mmas (every B column is the
+    token) and keeps the one of row r + 8t: tile t // 2, row r + 8 (t % 2). `pairs`: x is already in
+    B's form (fp16_pairs), so the four words are the B registers and the step converts nothing."""
     n = 2 * TILES.value
-    x0, skip, lane_t = (f"${2 + LOADED * gb + i}" for i in range(3))
-    xs = [[f"x{g}_{i}" for i in range(4)] for g in range(gb)]
+    x0 = 2 + LOADED * gb
+    xs = [[f"${x0 + 4 * g + i}" for i in range(4)] for g in range(gb)]
+    lane_t = f"${x0 + 4 * gb}"
     math = [f"\nand.b32 q, {lane_t}, 1; setp.ne.s32 odd, q, 0; and.b32 q, {lane_t}, 2; setp.ne.s32 second, q, 0;"]
-    for g in range(gb):  # all of the step's activation loads first: their latency overlaps the unpacking
-        math.append("\n" + "".join(f" mov.b32 {r}, 0;" for r in xs[g])
-                    + f" setp.le.s32 p, {skip}, {g}; @p ld.global.v4.b32 {{{', '.join(xs[g])}}}, [{x0}+{64 * g}];")
     for g in range(gb):
         base = 2 + LOADED * g
         words, scale = [f"${base + k}" for k in range(n)], f"${base + n}"
@@ -164,8 +179,8 @@ def _math_asm(gb: int, pairs: bool = False) -> str:
         acc = "$0" if g else "$1"
         math.append(f"\nselp.f32 v0, v1, v0, second; shl.b32 u, {scale}, 23; mov.b32 fs, u; fma.rn.f32 $0, v0, fs, {acc};")
     return (
-        "{\n.reg .pred p, odd, second;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7"
-        + ("" if pairs else ", b0, b1, b2, b3") + ", " + ", ".join(r for g in xs for r in g) + ";"
+        "{\n.reg .pred odd, second;\n.reg .b32 q, u, hl, hh, a0, a1, a2, a3, a4, a5, a6, a7"
+        + ("" if pairs else ", b0, b1, b2, b3") + ";"
         "\n.reg .f32 d0, d1, d2, d3, z, fs" + ("" if pairs else ", fl, fh") + ", v0, v1;\nmov.f32 z, 0f00000000;"
         + "".join(math) + "\n}"
     )
@@ -223,13 +238,15 @@ def _group_math_asm(gb: int, groups: int) -> str:
 
 def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
     """(text, constraints, result types) of one asm step over gb block columns: "load"
-    (_load_asm), "load-early" (its plain-load form), "math" (_math_asm), "math-pairs" (its form on
-    fp16_pairs activations) or "group" (_group_math_asm over `groups` groups of 8 tokens)."""
+    (_load_asm), "load-early" (its plain-load form), "x" (_x_load_asm), "math" (_math_asm), "math-pairs"
+    (its form on fp16_pairs activations) or "group" (_group_math_asm over `groups` groups of 8 tokens)."""
     loads = LOADED * gb
     if kind in ("load", "load-early"):
         return _load_asm(gb, kind == "load"), "=r," * loads + "l,l,l,r", (tl.int32,) * loads
+    if kind == "x":
+        return _x_load_asm(gb), "=r," * (4 * gb) + "l,r", (tl.int32,) * (4 * gb)
     if kind in ("math", "math-pairs"):
-        return _math_asm(gb, kind == "math-pairs"), "=f,f" + ",r" * loads + ",l,r,r", (tl.float32,)
+        return _math_asm(gb, kind == "math-pairs"), "=f,f" + ",r" * (loads + 4 * gb) + ",r", (tl.float32,)
     n = 8 * groups
     return (_group_math_asm(gb, groups), "=f," * n + "f," * n + "r," * loads + "l," * groups + "r",
             (tl.float32,) * n)
@@ -238,8 +255,8 @@ def asm_step(kind: str, gb: int, groups: int = 0) -> tuple[str, str, tuple]:
 # Every step the kernels take, built once: a constexpr function may read a dict but not call a
 # plain Python function.
 _ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
-              for kind, groups in (("load", 0), ("load-early", 0), ("math", 0), ("math-pairs", 0), ("group", 1),
-                                   ("group", 2))
+              for kind, groups in (("load", 0), ("load-early", 0), ("x", 0), ("math", 0), ("math-pairs", 0),
+                                   ("group", 1), ("group", 2))
               for gb in (1, 2, 4)}
 
 
@@ -280,12 +297,19 @@ def _load_step(GB: tl.constexpr, w_addr, w_tile, s_addr, s_block, EARLY: tl.cons
 
 
 @triton.jit
-def _math_step(GB: tl.constexpr, acc, loaded, x_addr, skip, lane_t, PAIRS: tl.constexpr = False):
-    """_math_asm(GB, PAIRS): the accumulator after one K step of `loaded` (_load_step's tuple)."""
+def _x_step(GB: tl.constexpr, x_addr, skip):
+    """_x_load_asm(GB): the 4 * GB activation words of one K step (block columns below skip: 0)."""
+    return _asm_call("x", GB, 0, (x_addr, skip))
+
+
+@triton.jit
+def _math_step(GB: tl.constexpr, acc, loaded, xs, lane_t, PAIRS: tl.constexpr = False):
+    """_math_asm(GB, PAIRS): the accumulator after one K step of `loaded` (_load_step's tuple) and
+    `xs` (_x_step's)."""
     if PAIRS:
-        out = _asm_call("math-pairs", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
+        out = _asm_call("math-pairs", GB, 0, (acc,) + loaded + xs + (lane_t,))[0]
     else:
-        out = _asm_call("math", GB, 0, (acc,) + loaded + (x_addr, skip, lane_t))[0]
+        out = _asm_call("math", GB, 0, (acc,) + loaded + xs + (lane_t,))[0]
     return out
 
 
@@ -302,15 +326,31 @@ def _group_math_step(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs
 
 
 @triton.jit
-def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t,
-             PAIRS: tl.constexpr = False):
-    """One K step's mmas at block column kb: the batch-1 step (GROUPS 0: one accumulator, one x
-    pointer tensor; PAIRS: x in fp16_pairs form) or the grouped one (tuples)."""
+def _x_at(GB: tl.constexpr, GROUPS: tl.constexpr, x_ptrs, kb, skip):
+    """The batch-1 step's activation words at block column kb (_x_step), or for the grouped step,
+    which loads its own, a placeholder."""
     if GROUPS == 0:
-        out = _math_step(GB, acc, loaded, (x_ptrs + kb * 32).to(tl.int64), skip, lane_t, PAIRS)
+        out = _x_step(GB, (x_ptrs + kb * 32).to(tl.int64), skip)
     else:
-        out = _group_math_step(GB, GROUPS, acc, loaded, x_ptrs, kb, skip)
+        out = (skip,)
     return out
+
+
+@triton.jit
+def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t, xs, next_kb, next_skip,
+             PAIRS: tl.constexpr = False):
+    """One K step's mmas at block column kb: (accumulators, the next step's activation words). The
+    batch-1 step (GROUPS 0: one accumulator, one x pointer tensor; PAIRS: x in fp16_pairs form)
+    takes its words `xs` loaded a step before and first issues the loads of the next step's, at
+    next_kb (with next_skip), so that their latency runs under this step's mmas; the grouped one
+    (tuples of accumulators and x pointers) reads its own at kb and passes xs on."""
+    if GROUPS == 0:
+        nxt = _x_at(GB, GROUPS, x_ptrs, next_kb, next_skip)
+        out = _math_step(GB, acc, loaded, xs, lane_t, PAIRS)
+    else:
+        nxt = xs
+        out = _group_math_step(GB, GROUPS, acc, loaded, x_ptrs, kb, skip)
+    return out, nxt
 
 
 @triton.jit
@@ -337,7 +377,8 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
             GB: tl.constexpr, KS: tl.constexpr, AHEAD: tl.constexpr, GROUPS: tl.constexpr,
             WAIT: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """acc after the whole K loop (_math_at's accumulators). Each K step covers KS * GB block
-    columns; the loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas.
+    columns; the weight loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas, the
+    batch-1 step's activation loads one step before theirs (_math_at).
     Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
     WAIT: the PDL wait (pdl.py) comes here, after the first AHEAD steps' weight loads and before
     the first activation load, for a kernel that knows its expert before the wait. PAIRS: the
@@ -345,26 +386,34 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
     per_step = KS * GB
     last = n_blocks - per_step  # the last step is moved back to end at K
     final = (n_blocks - 1) // per_step * per_step  # the last step's place before the move
+    moved = tl.minimum(final, last)
+    # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
+    moved_skip = (final - moved) + no_skip
     loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last, WAIT)
     if AHEAD == 2:
         second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last, WAIT)
         wait_for_previous(WAIT)
+        xs = _x_at(GB, GROUPS, x_ptrs, 0, no_skip)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t, PAIRS)
+            acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t, xs,
+                               kb - per_step, no_skip, PAIRS)
             loaded = second
             second = ahead
-        acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t, PAIRS)
+        acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t, xs, moved, moved_skip,
+                           PAIRS)
         loaded = second
     else:
         wait_for_previous(WAIT)
+        xs = _x_at(GB, GROUPS, x_ptrs, 0, no_skip)
         for kb in range(per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t, PAIRS)
+            # the next step is kb, or the moved-back last one where kb is the last step's place
+            nearest = tl.minimum(kb, last)
+            acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t, xs, nearest,
+                               (kb - nearest) + no_skip, PAIRS)
             loaded = ahead
-    # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
-    moved = tl.minimum(final, last)
-    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, (final - moved) + no_skip, lane_t, PAIRS)
+    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, moved_skip, lane_t, xs, moved, moved_skip, PAIRS)[0]
 
 
 @triton.jit
