@@ -52,7 +52,7 @@ def _expected(lay: dict, skip: int) -> tuple[np.ndarray, np.ndarray]:
     return (scale * prod.sum(-1)).sum(-1), (scale * np.abs(prod).sum(-1)).sum(-1)
 
 
-def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None, x_asm=None):
+def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math_asm=None):
     """One K step on the emulator: the load asm's outputs, the x load asm's (x[8t]'s address and
     `skip`), then the math asm's outputs when fed acc_in (one float32 per lane), those registers and
     t as _k_loop does. The texts default to asm_step's (a test may pass altered ones)."""
@@ -65,7 +65,7 @@ def _step(gb: int, lay: dict, acc_in: np.ndarray, skip: int, load_asm=None, math
     loaded = run(load_asm or load_text, lay["mem"], bind(load_cons, load_operands(lay, n_out)))
     t = np.arange(LANES) % 4
     x_addr = lay["x0"] + 16 * t  # x[8t]: every lane reads the token, so every B column holds it
-    xs = run(x_asm or x_text, lay["mem"], bind(x_cons, {4 * gb: x_addr, 4 * gb + 1: np.int64(skip) & MASK[32]}))
+    xs = run(x_text, lay["mem"], bind(x_cons, {4 * gb: x_addr, 4 * gb + 1: np.int64(skip) & MASK[32]}))
     # _math_step's operands are `(acc,) + loaded + xs + (t,)`: $1, then the loads' $0.. in order
     math_in = dict(enumerate([f32_bits(acc_in)] + [loaded[f"${i}"] for i in range(n_out)]
                              + [xs[f"${i}"] for i in range(4 * gb)] + [t], start=1))

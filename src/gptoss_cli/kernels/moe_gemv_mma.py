@@ -337,20 +337,16 @@ def _x_at(GB: tl.constexpr, GROUPS: tl.constexpr, x_ptrs, kb, skip):
 
 
 @triton.jit
-def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t, xs, next_kb, next_skip,
+def _math_at(GB: tl.constexpr, GROUPS: tl.constexpr, acc, loaded, x_ptrs, kb, skip, lane_t, xs,
              PAIRS: tl.constexpr = False):
-    """One K step's mmas at block column kb: (accumulators, the next step's activation words). The
-    batch-1 step (GROUPS 0: one accumulator, one x pointer tensor; PAIRS: x in fp16_pairs form)
-    takes its words `xs` loaded a step before and first issues the loads of the next step's, at
-    next_kb (with next_skip), so that their latency runs under this step's mmas; the grouped one
-    (tuples of accumulators and x pointers) reads its own at kb and passes xs on."""
+    """One K step's mmas: the batch-1 step (GROUPS 0: one accumulator; PAIRS: x in fp16_pairs form)
+    on its activation words `xs` (_x_at, loaded a step before), or the grouped one (tuples of
+    accumulators and x pointers), which reads its own at block column kb."""
     if GROUPS == 0:
-        nxt = _x_at(GB, GROUPS, x_ptrs, next_kb, next_skip)
         out = _math_step(GB, acc, loaded, xs, lane_t, PAIRS)
     else:
-        nxt = xs
         out = _group_math_step(GB, GROUPS, acc, loaded, x_ptrs, kb, skip)
-    return out, nxt
+    return out
 
 
 @triton.jit
@@ -378,7 +374,7 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
             WAIT: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """acc after the whole K loop (_math_at's accumulators). Each K step covers KS * GB block
     columns; the weight loads run AHEAD (1 or 2; at most K's steps) K steps before their mmas, the
-    batch-1 step's activation loads one step before theirs (_math_at).
+    batch-1 step's activation loads one step before theirs.
     Software-pipelined: the loads of the next AHEAD steps are in flight while a step's mmas run.
     WAIT: the PDL wait (pdl.py) comes here, after the first AHEAD steps' weight loads and before
     the first activation load, for a kernel that knows its expert before the wait. PAIRS: the
@@ -390,19 +386,23 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
     # The block columns the moved-back last step repeats count as x = 0: the step before counted them.
     moved_skip = (final - moved) + no_skip
     loaded = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, 0, last, WAIT)
+    # Each step issues the next step's activation loads before its own mmas (_x_at), so that their
+    # latency runs under them.
     if AHEAD == 2:
         second = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, per_step, last, WAIT)
         wait_for_previous(WAIT)
         xs = _x_at(GB, GROUPS, x_ptrs, 0, no_skip)
         for kb in range(2 * per_step, n_blocks, per_step):
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
-            acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t, xs,
-                               kb - per_step, no_skip, PAIRS)
+            nxt = _x_at(GB, GROUPS, x_ptrs, kb - per_step, no_skip)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - 2 * per_step, no_skip, lane_t, xs, PAIRS)
             loaded = second
             second = ahead
-        acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t, xs, moved, moved_skip,
-                           PAIRS)
+            xs = nxt
+        nxt = _x_at(GB, GROUPS, x_ptrs, moved, moved_skip)
+        acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, final - per_step, no_skip, lane_t, xs, PAIRS)
         loaded = second
+        xs = nxt
     else:
         wait_for_previous(WAIT)
         xs = _x_at(GB, GROUPS, x_ptrs, 0, no_skip)
@@ -410,10 +410,11 @@ def _k_loop(acc, x_ptrs, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, no_skip, la
             ahead = _load_at(GB, w_ptrs, w_tile, s_ptrs, s_block, stride_sg, kb, last)
             # the next step is kb, or the moved-back last one where kb is the last step's place
             nearest = tl.minimum(kb, last)
-            acc, xs = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t, xs, nearest,
-                               (kb - nearest) + no_skip, PAIRS)
+            nxt = _x_at(GB, GROUPS, x_ptrs, nearest, (kb - nearest) + no_skip)
+            acc = _math_at(GB, GROUPS, acc, loaded, x_ptrs, kb - per_step, no_skip, lane_t, xs, PAIRS)
             loaded = ahead
-    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, moved_skip, lane_t, xs, moved, moved_skip, PAIRS)[0]
+            xs = nxt
+    return _math_at(GB, GROUPS, acc, loaded, x_ptrs, moved, moved_skip, lane_t, xs, PAIRS)
 
 
 @triton.jit
