@@ -1,6 +1,6 @@
 """What a grid-wide hand-off inside one launch costs against a PDL link between launches (H200 machine).
 
-    PYTHONPATH=src:scripts python scripts/handoff_cost.py [--phases 48] [--programs 0] [--rounds 5]
+    PYTHONPATH=src python benchmarks/handoff_cost.py [--phases 48] [--programs 0] [--rounds 5]
 
 A persistent decode layer would replace the step's chain of dependent launches (each link ~1 us,
 scripts/launch_cost.py) by phases of one launch that wait for each other on device counters.
@@ -12,19 +12,19 @@ and writes that plus one.
 - counters: one launch; after its write each program counts itself in on the phase's counter
   (release) and spins until all G have (volatile loads, then an acquire fence);
 - acquire: the same, spinning on acquire loads (no fence).
-Each prints microseconds per phase (median over `rounds` graph replays) and checks that every
+Each prints microseconds per phase (median over `rounds` replays of a graph of the whole chain) and checks that every
 program ended with the value `phases`, which a missed hand-off (a stale read) would not give.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_attention import _graph_ms  # same directory: on sys.path when run as a script
 
 from gptoss_cli.kernels.pdl import pdl_enabled, pdl_launch, wait_for_previous
 
@@ -76,27 +76,6 @@ def _counted_phases_kernel(buf_ptr, count_ptr, phases, PDL: tl.constexpr, ACQUIR
             _acquire_fence()
 
 
-def _graph_us(fn, phases: int, rounds: int) -> float:
-    """Median microseconds per phase of fn() captured once in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / phases)
-    return statistics.median(times)
-
-
 def run_launches(programs: int, phases: int, rounds: int) -> tuple[float, bool]:
     buf = torch.zeros((2, programs), dtype=torch.int32, device="cuda")
     opts = pdl_launch(pdl_enabled(buf))
@@ -106,7 +85,7 @@ def run_launches(programs: int, phases: int, rounds: int) -> tuple[float, bool]:
         for i in range(phases):
             _phase_kernel[(programs,)](buf[i % 2], buf[(i + 1) % 2], **opts)
 
-    us = _graph_us(fn, phases, rounds)
+    us = _graph_ms(fn, calls=1, replays=rounds) * 1e3 / phases
     return us, bool((buf[phases % 2] == phases).all())
 
 
@@ -120,7 +99,7 @@ def run_counters(programs: int, phases: int, rounds: int, acquire_loads: bool = 
         count.zero_()
         _counted_phases_kernel[(programs,)](buf, count, phases, num_warps=4, ACQUIRE_LOADS=acquire_loads, **opts)
 
-    us = _graph_us(fn, phases, rounds)
+    us = _graph_ms(fn, calls=1, replays=rounds) * 1e3 / phases
     return us, bool((buf[phases % 2] == phases).all())
 
 
