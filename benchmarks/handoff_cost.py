@@ -12,8 +12,10 @@ and writes that plus one.
 - counters: one launch; after its write each program counts itself in on the phase's counter
   (release) and spins until all G have (volatile loads, then an acquire fence);
 - acquire: the same, spinning on acquire loads (no fence).
-Each prints microseconds per phase (median over `rounds` replays of a graph of the whole chain) and checks that every
-program ended with the value `phases`, which a missed hand-off (a stale read) would not give.
+Each prints microseconds per phase (median over `rounds` replays of a graph of the whole chain)
+and checks that every program ended with the value `phases`, which a missed hand-off (a stale
+read) would not give. The interpreter cannot run it: its programs run one after another, so the
+counted form's first program would spin forever.
 """
 
 from __future__ import annotations
