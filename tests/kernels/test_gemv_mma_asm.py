@@ -134,6 +134,31 @@ def test_math_step_on_fp16_pairs_equals_the_converting_step(gb, skip):
     assert "cvt" not in asm_step("math-pairs", gb)[0]
 
 
+def test_asm_texts_are_part_of_the_kernels_cache_key(monkeypatch):
+    """Triton hashes the constexpr globals a kernel reads, not the dict of asm texts: _ASM_DIGEST
+    (read by _asm_call) must be the digest of every text, and its value must move _asm_call's cache
+    key, or a changed asm would keep running from ~/.triton/cache (session 37 saw that offline)."""
+    import hashlib
+
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from gptoss_cli.kernels import moe_gemv_mma as m
+
+    want = hashlib.sha256(repr(sorted((k, v[0], v[1], str(v[2])) for k, v in m._ASM_STEPS.items())).encode()).hexdigest()
+    assert m._ASM_DIGEST.value == want
+    assert set(m._ASM_STEPS) >= {("x", 2, 0), ("math-pairs", 4, 0), ("group", 2, 2)}
+
+    def key():  # a fresh JITFunction each time (the key is memoised; the interpreter's has none)
+        return JITFunction(m._asm_call.fn).cache_key
+
+    before = key()
+    monkeypatch.setattr(m, "_ASM_DIGEST", tl.constexpr(want[::-1]))
+    changed = key()
+    monkeypatch.undo()
+    assert changed != before and key() == before
+
+
 def test_fp16_pairs_layout():
     x = torch.arange(16, dtype=torch.float32).reshape(1, 16).to(torch.bfloat16)
     assert fp16_pairs(x).float().tolist() == [[0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]]

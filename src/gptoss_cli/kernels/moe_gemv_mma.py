@@ -62,6 +62,8 @@ instructions, gemv2's 350 -> 306).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import triton
 import triton.language as tl
@@ -258,6 +260,12 @@ _ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
               for kind, groups in (("load", 0), ("load-early", 0), ("x", 0), ("math", 0), ("math-pairs", 0),
                                    ("group", 1), ("group", 2))
               for gb in (1, 2, 4)}
+# Triton's cache key covers a kernel's source and the values of the constexpr globals it reads, not
+# other globals such as the dict above: without this digest (read by _asm_call), a changed asm text
+# would compile to a new kernel only with an empty cache, and an upgraded install would keep running
+# the kernels ~/.triton/cache holds from the old texts (seen offline, session 37).
+_ASM_DIGEST = tl.constexpr(hashlib.sha256(repr(sorted((k, v[0], v[1], str(v[2])) for k, v in _ASM_STEPS.items()))
+                                          .encode()).hexdigest())
 
 
 @triton.constexpr_function
@@ -281,6 +289,7 @@ def _asm_call(KIND: tl.constexpr, GB: tl.constexpr, GROUPS: tl.constexpr, args):
     where the K loop's software pipelining puts them, and the math steps' activation loads after
     the PDL wait, like any read of a launch's output."""
     tl.static_assert(GB == 1 or GB == 2 or GB == 4, "the tensor-core steps take 1, 2 or 4 block columns per asm")
+    tl.static_assert(_ASM_DIGEST != "", "the asm texts' digest (part of the cache key)")
     return tl.inline_asm_elementwise(_asm_text(KIND, GB, GROUPS), _asm_constraints(KIND, GB, GROUPS), args,
                                      dtype=_asm_types(KIND, GB, GROUPS), is_pure=False, pack=1)
 
