@@ -138,16 +138,17 @@ def test_asm_texts_are_part_of_the_kernels_cache_key(monkeypatch):
     """Triton hashes the constexpr globals a kernel reads, not the dict of asm texts: _ASM_DIGEST
     (read by _asm_call) must be the digest of every text, and its value must move _asm_call's cache
     key, or a changed asm would keep running from ~/.triton/cache (session 37 saw that offline)."""
-    import hashlib
-
     import triton.language as tl
     from triton.runtime.jit import JITFunction
 
     from gptoss_cli.kernels import moe_gemv_mma as m
 
-    want = hashlib.sha256(repr(sorted((k, v[0], v[1], str(v[2])) for k, v in m._ASM_STEPS.items())).encode()).hexdigest()
+    want = m.asm_digest(m._ASM_STEPS)
     assert m._ASM_DIGEST.value == want
     assert set(m._ASM_STEPS) >= {("x", 2, 0), ("math-pairs", 4, 0), ("group", 2, 2)}
+    for key in (("x", 2, 0), ("group", 1, 1)):  # one changed character of one text moves the digest
+        text, cons, types = m._ASM_STEPS[key]
+        assert m.asm_digest(m._ASM_STEPS | {key: (text.replace(";", " ;", 1), cons, types)}) != want
 
     def key():  # a fresh JITFunction each time (the key is memoised; the interpreter's has none)
         return JITFunction(m._asm_call.fn).cache_key

@@ -264,8 +264,12 @@ _ASM_STEPS = {(kind, gb, groups): asm_step(kind, gb, groups)
 # other globals such as the dict above: without this digest (read by _asm_call), a changed asm text
 # would compile to a new kernel only with an empty cache, and an upgraded install would keep running
 # the kernels ~/.triton/cache holds from the old texts (seen offline, session 37).
-_ASM_DIGEST = tl.constexpr(hashlib.sha256(repr(sorted((k, v[0], v[1], str(v[2])) for k, v in _ASM_STEPS.items()))
-                                          .encode()).hexdigest())
+def asm_digest(steps: dict) -> str:
+    """sha256 of every step's text, constraints and result types."""
+    return hashlib.sha256(repr(sorted((k, v[0], v[1], str(v[2])) for k, v in steps.items())).encode()).hexdigest()
+
+
+_ASM_DIGEST = tl.constexpr(asm_digest(_ASM_STEPS))
 
 
 @triton.constexpr_function
