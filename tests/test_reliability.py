@@ -118,6 +118,30 @@ def test_model_too_big_for_the_gpu_says_what_is_needed(monkeypatch):
         check_weights_fit(random_config("120b"), torch.device("cuda"))
 
 
+def test_split_copy_is_on_only_where_it_leaves_room(monkeypatch):
+    import pytest
+    import torch
+
+    from gptoss_cli.runtime.errors import HardwareError
+    from gptoss_cli.runtime.gpu.preflight import split_blocks_bytes, want_split_copy
+    from gptoss_cli.runtime.random_checkpoint import random_config
+
+    cuda, small, big = torch.device("cuda"), random_config("20b"), random_config("120b")
+    assert 8.5 < split_blocks_bytes(small) / 2**30 < 9.5 and 50 < split_blocks_bytes(big) / 2**30 < 56
+    free = {"now": 126 * 2**30}  # an H200 (140 GiB) after 20b's weights
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 140 * 2**30))
+    assert want_split_copy(small, cuda, None) is True
+    assert want_split_copy(big, cuda, None) is False  # 38 % of the GPU
+    assert want_split_copy(small, cuda, False) is False
+    free["now"] = 15 * 2**30  # 20b on a 24 GB card's worth of free memory: the KV cache keeps it
+    assert want_split_copy(small, cuda, None) is False
+    with pytest.raises(HardwareError, match="split-word copy needs 8.9 GiB; 11.0 GiB are free") as info:
+        free["now"] = 11 * 2**30
+        want_split_copy(small, cuda, True)
+    assert "moe_split_copy" in info.value.hint
+    assert want_split_copy(small, torch.device("cpu"), None) is False
+
+
 def test_kv_cache_too_small_says_which_context_fits():
     import pytest
 

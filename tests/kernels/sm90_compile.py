@@ -134,6 +134,21 @@ def _decode_tiles(num_tokens: int, fmt: str = "asm-folded"):
         _no_spills(kernel, name)
         if "LDG.E.U8" in sass(kernel) or "LDG.E.U16" in sass(kernel):
             raise RuntimeError(f"{name}: the scales are a byte-wide global load, outside the cp.async ring")
+    return g1, g2
+
+
+def _split_words_tiles(num_tokens: int):
+    """The decode tiles on split-word bytes (mxfp4_split.py) against checkpoint order: the point of the
+    layout is fewer integer instructions per K step, so each K loop must lose at least a quarter of
+    its LOP3 + PRMT (offline at 64 tokens: 176 -> 96) and neither may spill (_decode_tiles)."""
+    def alu(kernel) -> int:
+        body = _loop_body(sass(kernel))
+        return len(re.findall(r"\b(?:LOP3|PRMT)\b", body))
+
+    split = _decode_tiles(num_tokens, "asm-split-folded")
+    for name, old, new in zip(("gemm1", "gemm2"), _decode_tiles(num_tokens), split):
+        if alu(new) > 0.75 * alu(old):
+            raise RuntimeError(f"{name}: {alu(new)} LOP3 + PRMT per K step on split words, {alu(old)} on bytes")
 
 
 def _loop_bodies(text: str, count: int = 1) -> list[str]:
@@ -455,6 +470,8 @@ CASES = {
     "decode-tiles-256-tokens": lambda: _decode_tiles(256),
     "decode-tiles-64-tokens": lambda: _decode_tiles(64),
     "decode-tiles-64-tokens-unfolded": lambda: _decode_tiles(64, fmt="asm"),
+    "decode-tiles-64-tokens-split-words": lambda: _split_words_tiles(64),
+    "decode-tiles-32-tokens-split-words-unfolded": lambda: _decode_tiles(32, fmt="asm-split"),
     "prefill-swapped-128-unfolded": lambda: _prefill(128, fmt="asm"),
     "prefill-swapped-32": lambda: _prefill(32),
     "prefill-swapped-64": lambda: _prefill(64),

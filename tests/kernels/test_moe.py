@@ -43,6 +43,7 @@ from gptoss_cli.kernels.moe_matmul import (
 )
 from gptoss_cli.kernels.moe_routing import route, route_metadata_ref, topk_row_bf16
 from gptoss_cli.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gptoss_cli.kernels.mxfp4_split import SPLIT_POSITIONS, split_words, unsplit_words
 from gptoss_cli.kernels.rmsnorm import rms_norm, rms_norm_ref
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -235,6 +236,44 @@ def test_asm_format_follows_config_and_weights(monkeypatch):
     assert moe_matmul._dot_scaled_format(asm, torch.bfloat16, False) == "asm"
     assert moe_matmul._dot_scaled_format(dataclasses.replace(asm, fold_scales=False), torch.bfloat16, True) == "asm"
     assert moe_matmul._dot_scaled_format(asm, torch.float32, True) == ""
+
+
+def test_split_words_is_a_bit_permutation_and_its_inverse(device):
+    assert sorted(p for bits in SPLIT_POSITIONS for p in bits) == list(range(32))
+    raw = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, device=device)
+    split = split_words(raw)
+    assert split.shape == raw.shape and not torch.equal(split, raw)
+    assert torch.equal(unsplit_words(split), raw)
+    # per word: value 0's four bits land on bits 6, 7, 8 and 15 (mxfp4_split's table)
+    word = torch.tensor([0xF, 0, 0, 0], dtype=torch.uint8, device=device)
+    assert int.from_bytes(bytes(split_words(word).tolist()), "little") == (1 << 6) | (1 << 7) | (1 << 8) | (1 << 15)
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        split_words(raw[..., :6])
+
+
+def test_prepare_split_copy(device):
+    raw = _raw_weights(3, 64, 96, device)
+    w = prepare_moe_weights(*raw)
+    assert w.w1_split is None and w.w2_split is None
+    w = prepare_moe_weights(*raw, split_copy=True)
+    assert torch.equal(w.w1_split, split_words(w.w1_blocks)) and torch.equal(w.w2_split, split_words(w.w2_blocks))
+    assert torch.equal(unsplit_words(w.w2_split), w.w2_blocks)
+
+
+def test_split_copy_is_read_by_the_decode_tiles_only(monkeypatch):
+    monkeypatch.setattr(moe_matmul, "is_interpreted", lambda: False)  # the GPU's choice, on any machine
+    blocks, split = torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)
+    tiles = dataclasses.replace(DECODE, asm_dequant=True)
+    pick = moe_matmul._weight_bytes
+    assert pick(tiles, blocks, split, torch.bfloat16, True) == (split, "asm-split-folded")
+    assert pick(tiles, blocks, split, torch.bfloat16, False) == (split, "asm-split")
+    assert pick(tiles, blocks, None, torch.bfloat16, True) == (blocks, "asm-folded")
+    # switched off, or tiles whose packs are not aligned words (prefill's wgmma operand, one interleaved dot)
+    for change in ({"split_words": False}, {"swap_ab": True}, {"even_odd": False}):
+        assert pick(dataclasses.replace(tiles, **change), blocks, split, torch.bfloat16, True) == (blocks, "asm-folded")
+    assert pick(tiles, blocks, split, torch.float32, True) == (blocks, "")
+    monkeypatch.setattr(moe_matmul, "is_interpreted", lambda: True)
+    assert pick(tiles, blocks, split, torch.bfloat16, True) == (blocks, "")
 
 
 def test_fragment_scales_layout():
@@ -886,6 +925,33 @@ def test_real_shapes_row_groups_agree(tokens, row_group):
     want = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=1), top_k, config=config)
     got = moe_forward(x, rw, rb, prepare_moe_weights(*raw, row_group=row_group), top_k, config=config)
     assert torch.equal(got, want)
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens,experts,variant", [
+    (1, 32, {}), (8, 32, {}), (17, 32, {}), (32, 32, {}), (48, 32, {}), (64, 32, {}), (128, 32, {}), (256, 32, {}),
+    (4096, 32, {}), (64, 128, {}), (256, 128, {}), (64, 32, {"split_k": 2}), (48, 32, {"num_warps": 4, "block_n2": 64}),
+    (64, 32, {"block_k": 128, "maxnreg": 0, "block_k2": 0, "maxnreg2": None}), (64, 32, {"fold_scales": False}),
+])
+def test_real_shapes_split_copy_is_bit_identical(tokens, experts, variant):
+    # The split-word copy changes which bits hold a value, not the values or the arithmetic: every
+    # step size gives the checkpoint-order result bit for bit (decode tiles read the copy, the other
+    # kernels ignore it). A copy the tiles did not read would pass that too, so the same launch on a
+    # copy left in checkpoint order must come out different wherever the tiles run.
+    hidden, inter, top_k = 2880, 2880, 4
+    raw = _raw_weights(experts, hidden, inter, "cuda", scale_lo=119, scale_hi=123)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    rw = (torch.randn(experts, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    rb = torch.randn(experts, device="cuda").to(torch.bfloat16)
+    config = dataclasses.replace(pick_config(tokens, experts, top_k, frag_scales=True), **variant)
+    plain = prepare_moe_weights(*raw, frag_scales=True)
+    split = prepare_moe_weights(*raw, frag_scales=True, split_copy=True)
+    want = moe_forward(x, rw, rb, plain, top_k, config=config)
+    assert torch.equal(moe_forward(x, rw, rb, split, top_k, config=config), want)
+    tiles = moe_matmul._weight_bytes(config, plain.w1_blocks, split.w1_split, x.dtype, plain.fold_scales)[1]
+    if "split" in tiles and not (config.gemv or config.group_mma):
+        split.w1_split, split.w2_split = plain.w1_blocks, plain.w2_blocks
+        assert not torch.equal(moe_forward(x, rw, rb, split, top_k, config=config), want)
 
 
 def _check_real_shapes_bf16(tokens: int, variant: dict, experts: int = 32) -> None:

@@ -14,6 +14,7 @@ import torch
 from gptoss_cli.kernels.moe_gemv import _FP4_DOT_F16_ASM, _X_PAIR_F16_ASM
 from gptoss_cli.kernels.moe_matmul import _FP4_TO_BF16_ASM, _FP4_TO_BF16_FOLDED_ASM, FOLD_MAX_SCALE
 from gptoss_cli.kernels.mxfp4 import FP4_VALUES
+from gptoss_cli.kernels.mxfp4_split import SPLIT_TO_BF16_ASM, SPLIT_TO_BF16_FOLDED_ASM, split_words
 
 MASK = 0xFFFFFFFF
 
@@ -80,6 +81,11 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         stmt = stmt.strip(" {}")
         if not stmt or stmt.startswith(".reg"):
             continue
+        unpack64 = re.fullmatch(r"mov\.b64 \{(\w+), (\w+)\}, (\w+)", stmt)
+        if unpack64:
+            lo, hi, src = unpack64.groups()
+            regs[lo], regs[hi] = regs[src] & MASK, regs[src] >> 32
+            continue
         unpack = re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\w+)", stmt)
         if unpack:
             lo, hi, src = unpack.groups()
@@ -108,6 +114,8 @@ def _run(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[dst] = v[0] & v[1]
         elif op == "mul.lo.u32":
             regs[dst] = (v[0] * v[1]) & MASK
+        elif op == "mul.wide.u32":
+            regs[dst] = (v[0] & MASK) * (v[1] & MASK)  # the 64-bit product
         elif op == "or.b32":
             regs[dst] = v[0] | v[1]
         elif op == "fma.rn.bf16x2":
@@ -134,6 +142,43 @@ def test_asm_dequantises_every_byte_exactly(folded, scale_byte):
             byte = first + i
             assert _bf16(lo[i]) == FP4_VALUES[byte & 15] * scale, (byte, scale_byte, "low nibble")
             assert _bf16(hi[i]) == FP4_VALUES[byte >> 4] * scale, (byte, scale_byte, "high nibble")
+
+
+def _split_word(word: int) -> int:
+    """A checkpoint word in the split-word order (mxfp4_split.split_words on its 4 bytes)."""
+    raw = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+    return int.from_bytes(bytes(split_words(raw).tolist()), "little")
+
+
+@pytest.mark.parametrize("folded,scale_byte", [(False, s) for s in (1, 2, 119, 121, 128, 200, 240)]
+                         + [(True, s) for s in (1, 2, 119, 121, FOLD_MAX_SCALE)])
+def test_split_asm_dequantises_every_code_in_every_position(folded, scale_byte):
+    # Same contract as the checkpoint-order asm, per virtual byte i = values 2i, 2i + 1 of the word:
+    # $0 / $1 the values 0, 2 / 4, 6, $2 / $3 the values 1, 3 / 5, 7; every code in every position,
+    # then random words (a bit of one value leaking into another's would show in either).
+    scale = 2.0 ** (scale_byte - 127)
+    scale_bits = (scale_byte + 126 if folded else scale_byte) << 7
+    pair = scale_bits | (scale_bits << 16)
+    asm = SPLIT_TO_BF16_FOLDED_ASM if folded else SPLIT_TO_BF16_ASM
+    rng = random.Random(scale_byte)
+    words = [sum(((code + 3 * j) % 16) << (4 * j) for j in range(8)) for code in range(16)]
+    words += [rng.getrandbits(32) for _ in range(64)]
+    for word in words:
+        regs = _run(str(asm.value), {"$4": _split_word(word), "$5": pair, "$6": pair})
+        got = [regs["$0"] & 0xFFFF, regs["$2"] & 0xFFFF, regs["$0"] >> 16, regs["$2"] >> 16,
+               regs["$1"] & 0xFFFF, regs["$3"] & 0xFFFF, regs["$1"] >> 16, regs["$3"] >> 16]
+        for j in range(8):
+            code = (word >> (4 * j)) & 15
+            assert _bf16(got[j]) == FP4_VALUES[code] * scale, (hex(word), j, scale_byte)
+
+
+def test_split_asm_reads_split_words_not_checkpoint_words():
+    # The check above must be able to fail: on checkpoint-order words the split asm is wrong.
+    pair = (121 + 126) << 7 | ((121 + 126) << 23)
+    word = 0x9ABCDEF1
+    regs = _run(str(SPLIT_TO_BF16_FOLDED_ASM.value), {"$4": word, "$5": pair, "$6": pair})
+    lo = regs["$0"] & 0xFFFF
+    assert _bf16(lo) != FP4_VALUES[word & 15] * 2.0 ** (121 - 127)
 
 
 def _word(nibbles: list[int]) -> int:

@@ -23,7 +23,10 @@ Weight layout (prepare_moe_weights, a one-time re-layout, nothing dequantised):
                           32-groups of a 64-wide K step side by side, so one int32 word holds rows
                           2q, 2q + 1 x both groups: exactly one thread's scales in a prefill tile
                           (MoeConfig.scale_unpack / scale_unpack2 "frag");
-  biases [E, N] fp32.
+  biases [E, N] fp32;
+  w1_split, w2_split (optional, prepare_moe_weights(split_copy=True)): the blocks again with each
+                          32-bit word's bits in the split-word order (mxfp4_split.py), which the
+                          decode tiles read (MoeConfig.split_words).
 Dequantisation in registers (the portable path): nibble s|e1 e0|m moved to fp16 bits 15 and
 11..9 is exactly FP4_VALUES[nibble] * 2**-14 (e = 0 lands on fp16 subnormals, which GPUs keep),
 and an E8M0 byte shifted into an fp32 exponent is exactly 2**(s - 127); folding the 2**14 into it
@@ -52,6 +55,7 @@ from .interpreter import dot_dtype, is_interpreted
 from .moe_config import MoeConfig
 from .moe_routing import MoeRouting
 from .mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, dequantize_mxfp4
+from .mxfp4_split import SPLIT_TO_BF16_ASM, SPLIT_TO_BF16_FOLDED_ASM, split_words
 from .pdl import pdl_enabled, pdl_launch, wait_for_previous
 from .rmsnorm import normalize_rows
 
@@ -87,6 +91,8 @@ class MoeWeights:
     row_group: int = 1
     w1_scales_frag: torch.Tensor | None = None  # [E, ceil(C/64), 2I, 2] u8 (module docstring)
     w2_scales_frag: torch.Tensor | None = None  # [E, ceil(I/64), C, 2] u8
+    w1_split: torch.Tensor | None = None  # w1_blocks in the split-word order (mxfp4_split.py)
+    w2_split: torch.Tensor | None = None  # w2_blocks likewise
 
     @property
     def has_frag_scales(self) -> bool:
@@ -133,12 +139,14 @@ def prepare_moe_weights(
     w2_bias: torch.Tensor,
     row_group: int = ROW_GROUP,
     frag_scales: bool = False,
+    split_copy: bool = False,
 ) -> MoeWeights:
     """Checkpoint tensors (gpt-oss-model.md §3.1) -> MoeWeights. Blocks keep their bytes, in groups
     of `row_group` rows (module docstring; 1 keeps the checkpoint order, a view when contiguous;
     a row count it does not divide falls back to 1), scales are transposed, biases become fp32.
     frag_scales: also the scales in fragment order (w1_scales_frag, w2_scales_frag: 1/32 of the
-    experts' bytes)."""
+    experts' bytes). split_copy: also the blocks in the split-word order (w1_split, w2_split: as many
+    bytes again), which the decode tiles then read."""
     if w1_blocks.dim() != 4 or w2_blocks.dim() != 4:
         shapes = f"{tuple(w1_blocks.shape)}, {tuple(w2_blocks.shape)}"
         raise ValueError(f"expert blocks must be [E, N, K/32, 16], got {shapes}")
@@ -159,7 +167,9 @@ def prepare_moe_weights(
     # One host sync per layer, at load: real scales sit far below the bound (weights under 12).
     fold = max(int(w1_scales.max()), int(w2_scales.max())) <= FOLD_MAX_SCALE if w1_scales.numel() else True
     frag = (_fragment_scales(w1_scales), _fragment_scales(w2_scales)) if frag_scales else (None, None)
-    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group, w1_scales_frag=frag[0], w2_scales_frag=frag[1])
+    split = (split_words(w1[0]), split_words(w2[0])) if split_copy else (None, None)
+    return MoeWeights(*w1, *w2, fold_scales=fold, row_group=row_group, w1_scales_frag=frag[0], w2_scales_frag=frag[1],
+                      w1_split=split[0], w2_split=split[1])
 
 
 def _fragment_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -200,6 +210,17 @@ def _dot_scaled_format(config: MoeConfig, dtype: torch.dtype, fold_scales: bool 
     if not (config.asm_dequant and dtype == torch.bfloat16):
         return ""
     return "asm-folded" if config.fold_scales and fold_scales else "asm"
+
+
+def _weight_bytes(config: MoeConfig, blocks: torch.Tensor, split: torch.Tensor | None, dtype: torch.dtype,
+                  fold_scales: bool) -> tuple[torch.Tensor, str]:
+    """(packed bytes, A_FORMAT) of a tiled kernel: the split-word copy (mxfp4_split.py) where the
+    weights have one, MoeConfig.split_words allows it and the tiles are the decode ones (even/odd
+    operands, asm dequantisation: their packs of 4 bytes are aligned words), else the blocks."""
+    fmt = _dot_scaled_format(config, dtype, fold_scales)
+    if split is not None and config.split_words and config.operands == "even_odd" and fmt in ("asm", "asm-folded"):
+        return split, fmt.replace("asm", "asm-split")
+    return blocks, fmt
 
 
 @triton.jit
@@ -296,11 +317,29 @@ and.b32 x, t1, 0x00F000F0; mul.lo.u32 x, x, 0x104; and.b32 x, x, 0x81C081C0; fma
 """)
 
 
+@triton.constexpr_function
+def _asm_format(a_format) -> bool:
+    """The A_FORMATs dequantised by _fp4_pairs_bf16: "asm", "asm-folded" (MoeWeights.fold_scales) and
+    their "-split" twins (the bytes in the split-word order, mxfp4_split.py)."""
+    return a_format in ("asm", "asm-folded", "asm-split", "asm-split-folded")
+
+
+@triton.constexpr_function
+def _asm_folded(a_format) -> bool:
+    return a_format in ("asm-folded", "asm-split-folded")
+
+
+@triton.constexpr_function
+def _asm_split(a_format) -> bool:
+    return a_format in ("asm-split", "asm-split-folded")
+
+
 @triton.jit
-def _fp4_pairs_bf16(blk, scl, FOLDED: tl.constexpr):
+def _fp4_pairs_bf16(blk, scl, FOLDED: tl.constexpr, SPLIT: tl.constexpr = False):
     """[R, G, 16] u8 + [R, G] u8 -> (low-nibble, high-nibble) values, bf16, scaled; GPU only.
     Exact: the E8M0 byte shifted into a bf16 exponent is 2**(s - 127) for 1 <= s <= 254, and
-    FOLDED (every s <= FOLD_MAX_SCALE) shifts s + 126 there instead, 2**(s - 1).
+    FOLDED (every s <= FOLD_MAX_SCALE) shifts s + 126 there instead, 2**(s - 1). SPLIT: blk holds
+    split-word bytes and each pack of 4 is one aligned word of them (the decode tiles' loads).
     tests/kernels/test_mxfp4_asm.py runs the PTX text through an instruction-level emulator on
     the CPU; the H200 tests check the hardware."""
     if FOLDED:
@@ -309,17 +348,19 @@ def _fp4_pairs_bf16(blk, scl, FOLDED: tl.constexpr):
         scale = (scl.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
     scale = tl.broadcast_to(scale[:, :, None], blk.shape)
     return tl.inline_asm_elementwise(
-        _FP4_TO_BF16_FOLDED_ASM if FOLDED else _FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [blk, scale],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        (SPLIT_TO_BF16_FOLDED_ASM if FOLDED else SPLIT_TO_BF16_ASM) if SPLIT else
+        (_FP4_TO_BF16_FOLDED_ASM if FOLDED else _FP4_TO_BF16_ASM),
+        "=r,=r,=r,=r,r,r,r", [blk, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
     )  # fmt: skip
 
 
 @triton.jit
-def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLDED: tl.constexpr):
+def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLDED: tl.constexpr,
+                        SPLIT: tl.constexpr = False):
     """GPU-only twin of _dequant_mxfp4 with bf16 out and no fp32 round trip: the decode kernels'
     SASS loop bodies shrink by about a third (docs/optimizations.md), and decode time is spent on
     these instructions more than on bytes."""
-    lo, hi = _fp4_pairs_bf16(blk, scl, FOLDED)
+    lo, hi = _fp4_pairs_bf16(blk, scl, FOLDED, SPLIT)
     return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K))
 
 
@@ -327,8 +368,8 @@ def _dequant_mxfp4_bf16(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
 def _dequant_tile(blk, scl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                   A_FORMAT: tl.constexpr):
     """W_tile [BLOCK_N, BLOCK_K] in the dot's dtype: packed bf16 by the asm, else via fp32."""
-    if A_FORMAT == "asm" or A_FORMAT == "asm-folded":
-        return _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K, A_FORMAT == "asm-folded")
+    if _asm_format(A_FORMAT):
+        return _dequant_mxfp4_bf16(blk, scl, BLOCK_N, BLOCK_K, _asm_folded(A_FORMAT), _asm_split(A_FORMAT))
     return _dequant_mxfp4(blk, scl, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
 
 
@@ -339,14 +380,14 @@ def _mx_dot(
 ):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W_tile^T, or with OPERANDS "swapped" acc
     [BLOCK_N, BLOCK_M] += W_tile @ a^T (MoeConfig.operands); A_FORMAT "" = dequantise by hand in
-    fp32, "asm" / "asm-folded" = by hand in packed bf16, otherwise tl.dot_scaled's name for the
-    activation type (only "interleaved")."""
-    ASM: tl.constexpr = A_FORMAT == "asm" or A_FORMAT == "asm-folded"
+    fp32, "asm" / "asm-folded" (and "-split" on split-word bytes) = by hand in packed bf16,
+    otherwise tl.dot_scaled's name for the activation type (only "interleaved")."""
+    ASM: tl.constexpr = _asm_format(A_FORMAT)
     if ASM or A_FORMAT == "":
         dt = tl.bfloat16 if ASM else DOT_DTYPE
         if OPERANDS == "even_odd":
             if ASM:
-                lo, hi = _fp4_pairs_bf16(blk, scl, A_FORMAT == "asm-folded")
+                lo, hi = _fp4_pairs_bf16(blk, scl, _asm_folded(A_FORMAT), _asm_split(A_FORMAT))
             else:
                 lo, hi = _dequant_mxfp4_halves(blk, scl)
             lo = tl.reshape(lo.to(dt), (BLOCK_N, BLOCK_K // 2))  # W[:, 0::2]
@@ -915,15 +956,15 @@ def moe_gemm1_swiglu(
     slices = config.block_m // config.gemm1_rows
     scales_mode = _scale_mode(config, 2 * config.block_n1, config.scale_unpack)
     scales = _checked_frag_scales(w.w1_scales_frag, 2 * config.block_n1) if scales_mode == "frag" else w.w1_scales
+    blocks, a_format = _weight_bytes(config, w.w1_blocks, w.w1_split, x.dtype, w.fold_scales)
     _gemm1_swiglu_kernel[_grid(routing, w.intermediate, config.block_n1, slices)](
-        x, x.stride(0), w.w1_blocks, w.w1_blocks.stride(0), w.w1_blocks.stride(1),
+        x, x.stride(0), blocks, blocks.stride(0), blocks.stride(1),
         scales, scales.stride(0), scales.stride(1), w.w1_bias,
         act, act.stride(0), routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, w.hidden, w.intermediate, float(limit), float(alpha),
         TOP_K=routing.top_k, BLOCK_M=config.gemm1_rows, BLOCK_N=config.block_n1, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        A_FORMAT=_dot_scaled_format(config, x.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        OPERANDS=config.operands, SCALES=scales_mode,
+        A_FORMAT=a_format, FAST_MATH=config.fast_math, OPERANDS=config.operands, SCALES=scales_mode,
         SUB_M=slices, ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.hidden % config.block_k == 0,
         **_tile_heights(config, config.gemm1_rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -947,15 +988,15 @@ def moe_gemm2(
         return y
     scales_mode = _scale_mode(config, config.block_n2, config.gemm2_scale_unpack)
     scales = _checked_frag_scales(w.w2_scales_frag, config.block_n2) if scales_mode == "frag" else w.w2_scales
+    blocks, a_format = _weight_bytes(config, w.w2_blocks, w.w2_split, act.dtype, w.fold_scales)
     _gemm2_kernel[(_grid(routing, w.hidden, config.block_n2)[0], config.split_k)](
-        act, act.stride(0), w.w2_blocks, w.w2_blocks.stride(0), w.w2_blocks.stride(1),
+        act, act.stride(0), blocks, blocks.stride(0), blocks.stride(1),
         scales, scales.stride(0), scales.stride(1), w.w2_bias,
         y, y.stride(0), routing.topk_weights, routing.sorted_slots, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets, routing.max_tiles, slots, w.hidden, w.intermediate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.gemm2_block_k, GROUP_M=config.group_m,
         DOT_DTYPE=dot_dtype(act.dtype), DOT_PRECISION=_dot_precision(act.dtype),
-        A_FORMAT=_dot_scaled_format(config, act.dtype, w.fold_scales), FAST_MATH=config.fast_math,
-        SPLIT_K=config.split_k, SCALES=scales_mode,
+        A_FORMAT=a_format, FAST_MATH=config.fast_math, SPLIT_K=config.split_k, SCALES=scales_mode,
         ROW_GROUP=w.row_group, EVEN_K=config.even_k and w.intermediate % config.gemm2_block_k == 0,
         **_tile_heights(config, config.block_m, pairs=True),
         OPERANDS=config.operands, num_warps=config.num_warps, num_stages=config.num_stages,

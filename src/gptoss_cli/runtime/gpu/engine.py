@@ -21,7 +21,7 @@ from ..errors import RequestError
 from .kv_cache import KvCache, plan_kv_memory
 from .kv_manager import KvManager
 from .model import GpuModel, SkinnyPlan
-from .preflight import check_device, kv_budget_bytes
+from .preflight import check_device, kv_budget_bytes, want_split_copy
 from .runner import DecodeLaunch, Runner
 from .scheduler import Scheduler
 from .sequence import PENDING_TOKEN, Sequence, Status
@@ -73,6 +73,12 @@ class GpuEngineConfig:
     # prefill tiles then read. H200, 20b: TTFT of a 4k prompt 75.0 -> 72.2 ms (gemm1's), 120b
     # prefill MoE at 64-row tiles -9 % (both; docs/performance.md, session 16).
     moe_frag_scales: bool = True
+    # Also the experts' blocks in the split-word order (kernels.MoeWeights.w1_split / w2_split, as
+    # many bytes again: 8.9 GiB for 20b, taken from the KV cache), which the decode tiles (batches
+    # above the grouped kernels') dequantise with about half the integer instructions. None: on
+    # where the copy takes at most a quarter of the GPU and half of what the weights left free
+    # (preflight.want_split_copy: 20b on an 80 GB or larger GPU, never 120b on one H200).
+    moe_split_copy: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_step_tokens < self.max_batch:
@@ -98,7 +104,8 @@ class GpuEngine(Engine):
         device = weights.device
         check_device(device)
         dtype = getattr(torch, opts.dtype)
-        gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group, opts.moe_frag_scales)
+        split_copy = want_split_copy(cfg, torch.device(device), opts.moe_split_copy)
+        gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group, opts.moe_frag_scales, split_copy)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
                               opts.max_batch, opts.max_step_tokens, dtype.itemsize)
         self.kv_cache = KvCache(cfg, plan, opts.max_batch, device, dtype)

@@ -43,6 +43,33 @@ def frag_scales_bytes(cfg: ModelConfig) -> int:
                if spec.packed and name.endswith("_scales"))
 
 
+def split_blocks_bytes(cfg: ModelConfig) -> int:
+    """What the experts' split-word copy of their blocks adds (GpuEngineConfig.moe_split_copy)."""
+    return sum(math.prod(spec.shape) for name, spec in expected_tensors(cfg).items()
+               if spec.packed and name.endswith("_blocks"))
+
+
+# The largest share of the GPU's memory the split-word copy may take when moe_split_copy is left
+# to the engine (20b: 8.9 GiB, 6 % of an H200; 120b: 53.4 GiB, 38 %).
+SPLIT_COPY_SHARE = 0.25
+
+
+def want_split_copy(cfg: ModelConfig, device: torch.device, option: bool | None) -> bool:
+    """GpuEngineConfig.moe_split_copy resolved once the checkpoint is on the device: None is on
+    where the copy takes at most SPLIT_COPY_SHARE of the GPU and half of the memory still free (the
+    rest stays for the KV cache); True where it does not fit at all is an error, not an OOM."""
+    if device.type != "cuda":
+        return bool(option)  # the interpreter never reads the copy (its kernels decode bytes)
+    need = split_blocks_bytes(cfg)
+    free, total = torch.cuda.mem_get_info(device)
+    if option is None:
+        return need <= SPLIT_COPY_SHARE * total and need <= free // 2
+    if option and need + WORKSPACE_BYTES > free:
+        raise HardwareError(f"the experts' split-word copy needs {need / GIB:.1f} GiB; {free / GIB:.1f} GiB are free",
+                            "leave moe_split_copy unset (or False) to run without it")
+    return option
+
+
 def check_weights_fit(cfg: ModelConfig, device: torch.device) -> None:
     """Before loading: weights (with the scales' fragment-order copy, on by default) plus a minimal
     KV cache must fit in free memory."""

@@ -61,14 +61,16 @@ def _tensor_bytes(obj, seen: set[int]) -> int:
 
 
 def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: int,
-                    moe_frag_scales: bool) -> GpuWeights:
+                    moe_frag_scales: bool, moe_split_copy: bool = False) -> GpuWeights:
     """Consume `weights.tensors` (entries are popped) into the GPU layout on their device;
     `moe_row_group`: the expert bytes' row grouping (kernels.MoeWeights.row_group);
     `moe_frag_scales`: also the experts' fragment-order scales (kernels.MoeWeights.w1_scales_frag,
-    w2_scales_frag)."""
+    w2_scales_frag); `moe_split_copy`: also their blocks in the split-word order
+    (kernels.MoeWeights.w1_split, w2_split)."""
     cfg, t = weights.config, weights.tensors
     cast = lambda x: x.to(dtype).contiguous()  # noqa: E731
-    layers = [_layer(cfg, t, n, cast, moe_row_group, moe_frag_scales) for n in range(cfg.num_hidden_layers)]
+    layers = [_layer(cfg, t, n, cast, moe_row_group, moe_frag_scales, moe_split_copy)
+              for n in range(cfg.num_hidden_layers)]
     return GpuWeights(
         config=cfg,
         embed=cast(t.pop("model.embed_tokens.weight")),
@@ -79,7 +81,7 @@ def prepare_weights(weights: ModelWeights, dtype: torch.dtype, moe_row_group: in
 
 
 def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_group: int,
-           moe_frag_scales: bool) -> LayerWeights:
+           moe_frag_scales: bool, moe_split_copy: bool) -> LayerWeights:
     p = f"model.layers.{n}."
     pop = lambda name: t.pop(p + name)  # noqa: E731
     qkv_w = cast(torch.cat([pop(f"self_attn.{x}_proj.weight") for x in "qkv"]))
@@ -88,7 +90,7 @@ def _layer(cfg: ModelConfig, t: dict[str, torch.Tensor], n: int, cast, moe_row_g
         pop("mlp.experts.gate_up_proj_blocks"), pop("mlp.experts.gate_up_proj_scales"),
         pop("mlp.experts.gate_up_proj_bias"), pop("mlp.experts.down_proj_blocks"),
         pop("mlp.experts.down_proj_scales"), pop("mlp.experts.down_proj_bias"), row_group=moe_row_group,
-        frag_scales=moe_frag_scales)
+        frag_scales=moe_frag_scales, split_copy=moe_split_copy)
     return LayerWeights(
         attn_norm=pop("input_layernorm.weight").float(),
         qkv_w=qkv_w, qkv_b=qkv_b,
