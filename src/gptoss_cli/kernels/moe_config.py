@@ -113,7 +113,7 @@ class MoeConfig:
     # Decode tiles: read MoeWeights' split-word copy of the blocks where the weights have one
     # (prepare_moe_weights(split_copy=True), mxfp4_split.py): 5 LOP3 and 3 shifts per word instead
     # of 8 LOP3, 2 PRMT and 4 IMAD. Offline SASS, batch-64 gemm1 K loop: 450 -> 354 instructions;
-    # H200 (session 38), 20b batch-64 step 5.918 -> 5.428 ms.
+    # H200 (session 38), 20b batch-64 step 5.89-5.93 -> 5.45 ms, batch 32 -8 %.
     split_words: bool = True
     # gemm1 rows per program when smaller than the routing tile (0 = block_m): each gemm1 program
     # takes one block_m1-row slice of a tile, so gemm2 can use taller tiles than gemm1. H200, 20b,
