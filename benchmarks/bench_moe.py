@@ -128,8 +128,10 @@ def _setup(case: Case, device: str, row_group: int | None = None) -> _Setup:
     per_layer = touched * sum(_expert_bytes(case))
     layers = 1 if device == "cpu" else min(MAX_LAYERS, max(1, math.ceil(L2_SWEEP * L2_BYTES / per_layer)))
     grouping = {} if row_group is None else {"row_group": row_group}
-    # frag_scales: the fragment-order copies of the scales, as the engine prepares them
-    weights = [prepare_moe_weights(*_random_layer(case, device), frag_scales=True, **grouping) for _ in range(layers)]
+    # frag_scales: the fragment-order copies of the scales, as the engine prepares them; split_copy:
+    # the decode tiles' split-word copy, as the engine holds it for 20b (variant "checkpoint-words": without)
+    weights = [prepare_moe_weights(*_random_layer(case, device), frag_scales=True, split_copy=True, **grouping)
+               for _ in range(layers)]
     return _Setup(
         case, x, rw, rb, logits, routing, weights, MoeWorkspace.allocate(t, weights[0], k, dt, device),
         act=torch.empty(t * k, case.inter, dtype=dt, device=device),
@@ -166,6 +168,9 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
     "w4-m256": {"num_warps": 4, "block_n1": 32, "block_n2": 64, "block_m": 256, "block_m1": 0},
     "interleaved": {"even_odd": False},  # decode tiles: one dot over interleaved K (before session 7)
     "unfolded": {"fold_scales": False},  # the asm's two multiplies per pair (before session 7)
+    # decode tiles on the checkpoint-order bytes, not MoeWeights' split-word copy (before session 38;
+    # what the engine runs where it holds no copy, e.g. 120b on one H200)
+    "checkpoint-words": {"split_words": False},
     "regs-free": {"maxnreg": 0} | BOTH_GEMMS,  # decode tiles without the register cap (before session 8)
     "byte-scales": {"scale_words": False},  # prefill tiles: scales as bytes, outside the cp.async ring (before session 11)
     # The scale words' unpack (MoeConfig.scale_unpack), the same in both gemms
@@ -250,7 +255,7 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both", "mma-both-k512", "mma-ahead1"],
-    64: ["default", "group", "group-ahead1", "group-k128", "group-n16", "s12-tiles", "t64w1", "t128w4", "unfolded",
+    64: ["default", "checkpoint-words", "group", "group-ahead1", "group-k128", "group-n16", "s12-tiles", "t64w1", "t128w4", "unfolded",
          "interleaved", "fused-router", "fp32deq", "dot_scaled",
          "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
