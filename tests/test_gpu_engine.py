@@ -83,6 +83,20 @@ def test_fragment_order_scales_prefill_matches_reference(ref, monkeypatch):
     assert plain.w1_scales_frag is None and plain.w2_scales_frag is None
 
 
+def test_split_copy_gives_the_same_tokens():
+    # GpuEngineConfig.moe_split_copy: the decode tiles read the experts' split-word copy (on a GPU in
+    # bf16; the interpreter's kernels decode bytes and never read it). Greedy tokens are the same
+    # either way at a batch whose decode steps run the tiles (8 experts: no grouped kernels).
+    prompts = [_prompt(5 + 3 * i, 40 + i) for i in range(6)]
+    runs = {}
+    for split in (True, False):
+        eng = _engine(moe_split_copy=split, dtype="bfloat16", max_batch=8)
+        experts = eng.runner.model.w.layers[0].experts
+        assert (experts.w1_split is not None and experts.w2_split is not None) is split
+        runs[split] = [out.token_ids for out in eng.generate(prompts, GREEDY)]
+    assert runs[True] == runs[False]
+
+
 def test_padded_prompt_steps_match_reference():
     # A step that is one sequence's whole prompt runs padded to its length bucket (a CUDA graph on
     # a GPU; here the same padded step eagerly): greedy tokens as the reference's, for lengths on
