@@ -130,16 +130,20 @@ def test_split_copy_is_on_only_where_it_leaves_room(monkeypatch):
     assert 8.5 < split_blocks_bytes(small) / 2**30 < 9.5 and 50 < split_blocks_bytes(big) / 2**30 < 56
     free = {"now": 126 * 2**30}  # an H200 (140 GiB) after 20b's weights
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 140 * 2**30))
-    assert want_split_copy(small, cuda, None) is True
-    assert want_split_copy(big, cuda, None) is False  # 38 % of the GPU
-    assert want_split_copy(small, cuda, False) is False
+    assert want_split_copy(small, cuda, None, 64) is True
+    assert want_split_copy(small, cuda, None, 32) is True
+    # batch decode never reaching the tiles (chat's batch 1, the grouped kernels up to 16): no copy
+    assert want_split_copy(small, cuda, None, 1) is False and want_split_copy(small, cuda, None, 16) is False
+    assert want_split_copy(small, cuda, True, 1) is True  # asked for
+    assert want_split_copy(big, cuda, None, 64) is False  # 38 % of the GPU
+    assert want_split_copy(small, cuda, False, 64) is False
     free["now"] = 15 * 2**30  # 20b on a 24 GB card's worth of free memory: the KV cache keeps it
-    assert want_split_copy(small, cuda, None) is False
+    assert want_split_copy(small, cuda, None, 64) is False
     with pytest.raises(HardwareError, match="split-word copy needs 8.9 GiB; 11.0 GiB are free") as info:
         free["now"] = 11 * 2**30
-        want_split_copy(small, cuda, True)
+        want_split_copy(small, cuda, True, 64)
     assert "moe_split_copy" in info.value.hint
-    assert want_split_copy(small, torch.device("cpu"), None) is False
+    assert want_split_copy(small, torch.device("cpu"), None, 64) is False
 
 
 def test_kv_cache_too_small_says_which_context_fits():

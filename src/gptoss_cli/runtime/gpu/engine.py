@@ -76,8 +76,9 @@ class GpuEngineConfig:
     # Also the experts' blocks in the split-word order (kernels.MoeWeights.w1_split / w2_split, as
     # many bytes again: 8.9 GiB for 20b, taken from the KV cache), which the decode tiles (batches
     # above the grouped kernels') dequantise with about half the integer instructions. None: on
-    # where the copy takes at most a quarter of the GPU and half of what the weights left free
-    # (preflight.want_split_copy: 20b on an 80 GB or larger GPU, never 120b on one H200).
+    # where max_batch's decode steps run those tiles and the copy takes at most a quarter of the
+    # GPU and half of what the weights left free (preflight.want_split_copy: 20b at batches of
+    # 17+ on an 80 GB or larger GPU; not for chat's batch 1, never 120b on one H200).
     moe_split_copy: bool | None = None
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class GpuEngine(Engine):
         device = weights.device
         check_device(device)
         dtype = getattr(torch, opts.dtype)
-        split_copy = want_split_copy(cfg, torch.device(device), opts.moe_split_copy)
+        split_copy = want_split_copy(cfg, torch.device(device), opts.moe_split_copy, opts.max_batch)
         gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group, opts.moe_frag_scales, split_copy)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
                               opts.max_batch, opts.max_step_tokens, dtype.itemsize)

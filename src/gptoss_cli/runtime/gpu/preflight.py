@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ...kernels.moe_config import pick_config
 from ..checkpoint import expected_tensors
 from ..config import ModelConfig
 from ..errors import HardwareError
@@ -54,16 +55,25 @@ def split_blocks_bytes(cfg: ModelConfig) -> int:
 SPLIT_COPY_SHARE = 0.25
 
 
-def want_split_copy(cfg: ModelConfig, device: torch.device, option: bool | None) -> bool:
+def _batch_decode_reads_split(cfg: ModelConfig, max_batch: int) -> bool:
+    """Whether a decode step of max_batch tokens runs the tiles that read the split copy (not the
+    batch-1 gemvs or the grouped kernels, which decode checkpoint-order words: chat's batch 1, 20b
+    up to 16)."""
+    config = pick_config(max_batch, cfg.num_local_experts, cfg.num_experts_per_tok)
+    return not config.gemv and not config.group_mma and config.operands == "even_odd"
+
+
+def want_split_copy(cfg: ModelConfig, device: torch.device, option: bool | None, max_batch: int) -> bool:
     """GpuEngineConfig.moe_split_copy resolved once the checkpoint is on the device: None is on
-    where the copy takes at most SPLIT_COPY_SHARE of the GPU and half of the memory still free (the
-    rest stays for the KV cache); True where it does not fit at all is an error, not an OOM."""
+    where the largest decode step reads it, and it takes at most SPLIT_COPY_SHARE of the GPU and
+    half of the memory still free (the rest stays for the KV cache); True where it does not fit at
+    all is an error, not an OOM."""
     if device.type != "cuda":
         return bool(option)  # the interpreter never reads the copy (its kernels decode bytes)
     need = split_blocks_bytes(cfg)
     free, total = torch.cuda.mem_get_info(device)
     if option is None:
-        return need <= SPLIT_COPY_SHARE * total and need <= free // 2
+        return _batch_decode_reads_split(cfg, max_batch) and need <= SPLIT_COPY_SHARE * total and need <= free // 2
     if option and need + WORKSPACE_BYTES > free:
         raise HardwareError(f"the experts' split-word copy needs {need / GIB:.1f} GiB; {free / GIB:.1f} GiB are free",
                             "leave moe_split_copy unset (or False) to run without it")
