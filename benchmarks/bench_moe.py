@@ -367,8 +367,10 @@ def _bench_case(case: Case, device: str, variants: list[str], row_group: int | N
         return moe_combine(st.y, case.top_k, st.out.dtype, out=st.out)
 
     rows = [_measure(case, "route", "-", base, routing, 1, case.tokens * case.experts * 2 + slots * 16, 0, device)]
-    if not variants:  # the GPU table: 20b compares variants, 120b runs the default only
-        variants = VARIANTS_BY_TOKENS[case.tokens] if case.model == "20b" else ["default"]
+    if not variants:  # the GPU table: 20b compares variants, 120b runs the default (and its engine's T=64)
+        # (120b's engine holds no split-word copy on one H200: its T=64 row without it too)
+        variants = VARIANTS_BY_TOKENS[case.tokens] if case.model == "20b" else \
+            ["default", "checkpoint-words"] if case.tokens == 64 else ["default"]
     for variant in variants:
         try:
             kernels = _kernels(st, variant)

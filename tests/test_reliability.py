@@ -135,6 +135,7 @@ def test_split_copy_is_on_only_where_it_leaves_room(monkeypatch):
     # batch decode never reaching the tiles (chat's batch 1, the grouped kernels up to 16): no copy
     assert want_split_copy(small, cuda, None, 1) is False and want_split_copy(small, cuda, None, 16) is False
     assert want_split_copy(small, cuda, True, 1) is True  # asked for
+    assert want_split_copy(small, cuda, None, 64, torch.float32) is False  # only the bf16 asm reads it
     assert want_split_copy(big, cuda, None, 64) is False  # 38 % of the GPU
     assert want_split_copy(small, cuda, False, 64) is False
     free["now"] = 15 * 2**30  # 20b on a 24 GB card's worth of free memory: the KV cache keeps it

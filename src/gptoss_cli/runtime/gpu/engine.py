@@ -105,7 +105,7 @@ class GpuEngine(Engine):
         device = weights.device
         check_device(device)
         dtype = getattr(torch, opts.dtype)
-        split_copy = want_split_copy(cfg, torch.device(device), opts.moe_split_copy, opts.max_batch)
+        split_copy = want_split_copy(cfg, torch.device(device), opts.moe_split_copy, opts.max_batch, dtype)
         gpu_weights = prepare_weights(weights, dtype, opts.moe_row_group, opts.moe_frag_scales, split_copy)
         plan = plan_kv_memory(cfg, kv_budget_bytes(device, opts, cfg), opts.block_size, self.max_context,
                               opts.max_batch, opts.max_step_tokens, dtype.itemsize)

@@ -63,17 +63,19 @@ def _batch_decode_reads_split(cfg: ModelConfig, max_batch: int) -> bool:
     return not config.gemv and not config.group_mma and config.operands == "even_odd"
 
 
-def want_split_copy(cfg: ModelConfig, device: torch.device, option: bool | None, max_batch: int) -> bool:
+def want_split_copy(cfg: ModelConfig, device: torch.device, option: bool | None, max_batch: int,
+                    dtype: torch.dtype = torch.bfloat16) -> bool:
     """GpuEngineConfig.moe_split_copy resolved once the checkpoint is on the device: None is on
-    where the largest decode step reads it, and it takes at most SPLIT_COPY_SHARE of the GPU and
-    half of the memory still free (the rest stays for the KV cache); True where it does not fit at
-    all is an error, not an OOM."""
+    where the largest decode step reads it (bf16 only: the copy is the asm's) and it takes at most
+    SPLIT_COPY_SHARE of the GPU and half of the memory still free (the rest stays for the KV
+    cache); True where it does not fit at all is an error, not an OOM."""
     if device.type != "cuda":
         return bool(option)  # the interpreter never reads the copy (its kernels decode bytes)
     need = split_blocks_bytes(cfg)
     free, total = torch.cuda.mem_get_info(device)
     if option is None:
-        return _batch_decode_reads_split(cfg, max_batch) and need <= SPLIT_COPY_SHARE * total and need <= free // 2
+        reads = dtype == torch.bfloat16 and _batch_decode_reads_split(cfg, max_batch)
+        return reads and need <= SPLIT_COPY_SHARE * total and need <= free // 2
     if option and need + WORKSPACE_BYTES > free:
         raise HardwareError(f"the experts' split-word copy needs {need / GIB:.1f} GiB; {free / GIB:.1f} GiB are free",
                             "leave moe_split_copy unset (or False) to run without it")
