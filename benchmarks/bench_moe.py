@@ -255,9 +255,8 @@ VARIANTS = {  # MoeConfig switches on top of pick_config's choice
 # Which variants each token count runs (the GPU table; the CPU smoke run takes fp32deq only).
 VARIANTS_BY_TOKENS = {
     1: ["default", "f16-old", "mma-n32", "mma-k128", "mma-both", "mma-both-k512", "mma-ahead1"],
-    64: ["default", "checkpoint-words", "group", "group-ahead1", "group-k128", "group-n16", "s12-tiles", "t64w1", "t128w4", "unfolded",
-         "interleaved", "fused-router", "fp32deq", "dot_scaled",
-         "gemv"],
+    64: ["default", "checkpoint-words", "group", "group-ahead1", "group-k128", "group-n16", "s12-tiles", "t64w1",
+         "t128w4", "unfolded", "interleaved", "fused-router", "fp32deq", "dot_scaled", "gemv"],
     4096: ["default", "scale-shift", "byte-scales", "w4", "unfolded", "swap-m128", "swap-m256", "unswapped"],
 }
 

@@ -49,10 +49,15 @@ _CHUNK_WORDS = 1 << 24  # words permuted at a time: bounds the int64 temporaries
 
 
 def _moved(words: torch.Tensor, moves: list[tuple[int, int]]) -> torch.Tensor:
-    """int64 words (0 <= w < 2**32) with bit src moved to bit dst for each (src, dst) in `moves`."""
-    out = torch.zeros_like(words)
+    """int64 words (0 <= w < 2**32) with bit src moved to bit dst for each (src, dst) in `moves`: one
+    mask and shift per distinct distance (17 for split_words' 32 bits), not one per bit."""
+    by_shift: dict[int, int] = {}
     for src, dst in moves:
-        out |= ((words >> src) & 1) << dst
+        by_shift[dst - src] = by_shift.get(dst - src, 0) | (1 << src)
+    out = torch.zeros_like(words)
+    for shift, mask in by_shift.items():
+        part = words & mask
+        out |= part << shift if shift >= 0 else part >> -shift
     return out
 
 

@@ -37,17 +37,21 @@ def check_device(device: torch.device) -> None:
                             "gptoss needs an NVIDIA GPU with compute capability 8.0+ (A100, H100, H200)")
 
 
+def _packed_bytes(cfg: ModelConfig, suffix: str) -> int:
+    """Bytes of the checkpoint's packed expert tensors whose names end in `suffix` (u8: one per element)."""
+    return sum(math.prod(spec.shape) for name, spec in expected_tensors(cfg).items()
+               if spec.packed and name.endswith(suffix))
+
+
 def frag_scales_bytes(cfg: ModelConfig) -> int:
     """The engine's second, fragment-order copy of the expert scales (GpuEngineConfig.moe_frag_scales):
     as many bytes as the checkpoint's scales (their K groups are even at gpt-oss shapes)."""
-    return sum(math.prod(spec.shape) for name, spec in expected_tensors(cfg).items()
-               if spec.packed and name.endswith("_scales"))
+    return _packed_bytes(cfg, "_scales")
 
 
 def split_blocks_bytes(cfg: ModelConfig) -> int:
     """What the experts' split-word copy of their blocks adds (GpuEngineConfig.moe_split_copy)."""
-    return sum(math.prod(spec.shape) for name, spec in expected_tensors(cfg).items()
-               if spec.packed and name.endswith("_blocks"))
+    return _packed_bytes(cfg, "_blocks")
 
 
 # The largest share of the GPU's memory the split-word copy may take when moe_split_copy is left
